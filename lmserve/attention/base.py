@@ -1,0 +1,63 @@
+"""The attention backend interface: per-step metadata built once, then one call per layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionInput:
+    """Where each sequence of a flat batch sits, as plain lists (one entry per sequence).
+
+    The flat batch holds the tokens of every scheduled sequence back to back. Sequence ``i``
+    contributes ``query_lens[i]`` new tokens at positions ``context_lens[i] - query_lens[i]``
+    .. ``context_lens[i] - 1``; its keys and values for all ``context_lens[i]`` positions live in
+    the KV cache slots of ``page_tables[i]``.
+    """
+
+    query_lens: list[int]
+    context_lens: list[int]
+    page_tables: list[list[int]]
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a flat batch; chosen once when the engine starts."""
+
+    @abstractmethod
+    def prepare(self, inp: AttentionInput, page_size: int, device: torch.device) -> object:
+        """Build the step's metadata (index tensors, masks) once, shared by all layers."""
+
+    @abstractmethod
+    def forward(
+        self,
+        meta: object,
+        q: torch.Tensor,  # (T, H, hd)
+        k: torch.Tensor,  # (T, KVH, hd)
+        v: torch.Tensor,  # (T, KVH, hd)
+        k_cache: torch.Tensor,  # (slots, KVH, hd)
+        v_cache: torch.Tensor,  # (slots, KVH, hd)
+        scale: float,
+    ) -> torch.Tensor:  # (T, H, hd)
+        """Write this step's keys/values into the cache and attend each query causally."""
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(name: str):
+    """Class decorator adding an attention backend to the registry under ``name``."""
+
+    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        _BACKENDS[name] = cls
+        return cls
+
+    return deco
+
+
+def create_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]()

@@ -1,0 +1,317 @@
+"""EngineConfig: every knob a user can set on the engine, checked when the config is built.
+
+The field names, types, defaults and the JSON round trip follow the seed interface exactly, so a
+config written for that engine loads here. The field annotations are also the source of the type
+checks below, which is why they stay real ``typing`` objects (no ``from __future__ import
+annotations`` in this file).
+"""
+
+import dataclasses
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import (  # noqa: UP035  (List / Tuple: the seed's spelling of the field types)
+    Any,
+    List,
+    Literal,
+    Optional,
+    Tuple,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
+
+
+@dataclass(frozen=True)
+class OptFlags:
+    """The optimisation knobs an ``opt`` string resolves to."""
+
+    weight_dtype: Dtype = "float32"  # dtype the model weights are held in for compute
+    kv_dtype: Dtype = "float32"  # dtype of the paged KV cache
+    compile: bool = False  # torch.compile the model forward
+
+
+# The one place that says what each level means; change a preset here and nowhere else.
+# O0..O3 are all full precision, uncompiled for now: the faster paths are not built yet.
+OPT_LEVELS: dict[str, OptFlags] = {
+    "O0": OptFlags(),
+    "O1": OptFlags(),
+    "O2": OptFlags(),
+    "O3": OptFlags(),
+}
+DEFAULT_OPT_LEVEL = "O2"  # what ``opt=None`` means
+
+# knob name -> accepted spellings of its value (matched lower-cased) -> the value in OptFlags
+_KNOB_VALUES: dict[str, dict[str, Any]] = {
+    "weight_dtype": {d: d for d in DTYPES},
+    "kv_dtype": {d: d for d in DTYPES},
+    "compile": {"0": False, "1": True, "false": False, "true": True},
+}
+
+
+def parse_opt(opt: Optional[str]) -> OptFlags:
+    """Resolve an ``opt`` string to flags.
+
+    Accepted forms: ``None`` (the default level, O2), a level ``"O0"``..``"O3"``, knobs
+    ``"weight_dtype=bfloat16;compile=1"``, or a level followed by knobs that adjust it
+    (``"O2;kv_dtype=bfloat16"``). Knobs not given keep the level's value. Raises ``ValueError``
+    naming the offending item and listing what is valid.
+    """
+    items = [item.strip() for item in (opt or "").split(";") if item.strip()]
+    level = DEFAULT_OPT_LEVEL
+    if items and "=" not in items[0]:
+        level = items.pop(0)
+        if level not in OPT_LEVELS:
+            raise ValueError(
+                f"opt: unknown level {level!r} in {opt!r}; valid levels: {', '.join(OPT_LEVELS)} "
+                f"(knobs are written name=value)"
+            )
+    updates: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not sep:
+            raise ValueError(
+                f"opt: {item!r} in {opt!r} is not of the form name=value "
+                f"(a level such as 'O2' may only come first)"
+            )
+        if name not in _KNOB_VALUES:
+            valid = ", ".join(sorted(_KNOB_VALUES))
+            raise ValueError(f"opt: unknown knob {name!r} in {opt!r}; valid knobs: {valid}")
+        if name in updates:
+            raise ValueError(f"opt: knob {name!r} is given more than once in {opt!r}")
+        choices = _KNOB_VALUES[name]
+        if value.lower() not in choices:
+            valid = ", ".join(choices)
+            raise ValueError(f"opt: invalid value {value!r} for knob {name!r}; valid: {valid}")
+        updates[name] = choices[value.lower()]
+    return dataclasses.replace(OPT_LEVELS[level], **updates)
+
+
+@dataclass
+class EngineConfig:
+    """How the engine is set up: model, batch and memory limits, KV cache and decoding features.
+
+    Optional fields left at None let the engine decide; SPEC.md has the full story per field.
+    Bad values are refused when the object is built (``TypeError`` for a wrong type,
+    ``ValueError`` otherwise), with the field and the value in the message. Features that are
+    valid but not built yet are refused separately by ``lmserve.support.check_supported``.
+
+    Fields:
+        model: path of a GGUF file or a Hugging Face directory; None = the built-in model.
+        model_lib: path of a model library compiled ahead of time; None = prepare at load.
+        additional_models: extra models, each a path or a (path, model_lib) pair: the draft
+            model or the EAGLE / Medusa heads for speculative decoding.
+        mode: "local" (batch 4), "interactive" (batch 1) or "server" (as much as memory
+            allows); None = "local". Decides the limits below that are left unset.
+        tensor_parallel_shards: processes each layer is split across; None = 1.
+        pipeline_parallel_stages: processes the layer stack is split across; None = 1.
+        opt: optimisation level "O0".."O3" and/or knobs, see ``parse_opt``; None = "O2".
+        gpu_memory_utilization: fraction in (0, 1] of device memory the engine may use;
+            None = 0.85.
+        kv_cache_page_size: tokens per page of the paged KV cache.
+        max_num_sequence: most sequences held in the KV cache at once.
+        max_total_sequence_length: most tokens held in the KV cache at once, all sequences.
+        max_single_sequence_length: longest one sequence may get, prompt plus output.
+        prefill_chunk_size: most tokens in one prefill step.
+        sliding_window_size: tokens each position attends to under sliding-window attention.
+        attention_sink_size: leading tokens that stay visible under a sliding window.
+        max_history_size: past recurrent states kept so a sequence can roll back.
+        kv_state_kind: "kv_cache" or "rnn_state"; None = whatever the model needs.
+        speculative_mode: "disable", "small_draft", "eagle" or "medusa".
+        spec_draft_length: tokens drafted per step; 0 = chosen each step from the load.
+        spec_tree_width: candidates per draft position (tree verification when > 1).
+        prefix_cache_mode: "radix" (share the KV of common prefixes) or "disable".
+        prefix_cache_max_num_recycling_seqs: finished sequences whose KV is kept for reuse;
+            None = max_num_sequence, 0 = none, -1 = no limit.
+        prefill_mode: "chunked" (prefill and decode in separate steps) or "hybrid" (decode
+            tokens ride along in prefill steps).
+        verbose: log the resolved plan at start and statistics while running.
+    """
+
+    model: Optional[str] = None
+    model_lib: Optional[str] = None
+    additional_models: List[Union[str, Tuple[str, str]]] = field(default_factory=list)
+    mode: Optional[Literal["local", "interactive", "server"]] = None
+    tensor_parallel_shards: Optional[int] = None
+    pipeline_parallel_stages: Optional[int] = None
+    opt: Optional[str] = None
+    gpu_memory_utilization: Optional[float] = None
+    kv_cache_page_size: int = 16
+    max_num_sequence: Optional[int] = None
+    max_total_sequence_length: Optional[int] = None
+    max_single_sequence_length: Optional[int] = None
+    prefill_chunk_size: Optional[int] = None
+    sliding_window_size: Optional[int] = None
+    attention_sink_size: Optional[int] = None
+    max_history_size: Optional[int] = None
+    kv_state_kind: Optional[Literal["kv_cache", "rnn_state"]] = None
+    speculative_mode: Literal["disable", "small_draft", "eagle", "medusa"] = "disable"
+    spec_draft_length: int = 0
+    spec_tree_width: int = 1
+    prefix_cache_mode: Literal["disable", "radix"] = "radix"
+    prefix_cache_max_num_recycling_seqs: Optional[int] = None
+    prefill_mode: Literal["chunked", "hybrid"] = "hybrid"
+    verbose: bool = True
+
+    def __post_init__(self) -> None:
+        # JSON has no tuples: a (path, lib) pair comes back as a 2-element list. Normalise so
+        # that from_json(c.asjson()) == c; anything else is left for the type check to refuse.
+        if isinstance(self.additional_models, list):
+            self.additional_models = [
+                tuple(m) if isinstance(m, list) and len(m) == 2 else m
+                for m in self.additional_models
+            ]
+        for name, hint in _field_hints().items():
+            _check_type(name, getattr(self, name), hint)
+        for name, ok, requirement in _VALUE_RULES:
+            value = getattr(self, name)
+            if value is not None and not ok(value):
+                raise ValueError(f"{name} must be {requirement}, got {value!r}")
+        _check_combinations(self)
+        parse_opt(self.opt)
+
+    def asjson(self) -> str:
+        """The config as a JSON object string; ``from_json`` reads it back to an equal config."""
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(json_str: str) -> "EngineConfig":
+        """Build a config from a JSON object string; unknown keys are refused by name."""
+        try:
+            data = json.loads(json_str)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"EngineConfig JSON is not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"EngineConfig JSON must be an object, got {type(data).__name__}: {json_str!r}"
+            )
+        unknown = sorted(set(data) - set(_field_hints()))
+        if unknown:
+            raise ValueError(f"EngineConfig JSON has unknown keys: {', '.join(unknown)}")
+        return EngineConfig(**data)
+
+
+@functools.lru_cache(maxsize=None)
+def _field_hints() -> dict[str, Any]:
+    """Field name -> resolved annotation, in declaration order."""
+    hints = get_type_hints(EngineConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig)}
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """TypeError when the value's type does not fit; ValueError for a string outside a Literal."""
+    if not _is_instance(value, hint):
+        raise TypeError(
+            f"{name} must be {_describe(hint)}, got {value!r} ({type(value).__name__})"
+        )
+    arms = get_args(hint) if get_origin(hint) is Union else (hint,)
+    allowed = [v for arm in arms if get_origin(arm) is Literal for v in get_args(arm)]
+    if allowed and value is not None and value not in allowed:
+        raise ValueError(f"{name} must be {_describe(hint)}, got {value!r}")
+
+
+def _is_instance(value: Any, hint: Any) -> bool:
+    """isinstance for the annotations EngineConfig uses; a Literal only checks the value's type
+    here (its membership is a ValueError, checked by the caller). bool never counts as int."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Union:
+        return any(_is_instance(value, a) for a in args)
+    if origin is Literal:
+        return any(type(value) is type(a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_is_instance(v, args[0]) for v in value)
+    if origin is tuple:
+        return (
+            isinstance(value, tuple)
+            and len(value) == len(args)
+            and all(_is_instance(v, a) for v, a in zip(value, args))
+        )
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    """A readable spelling of an annotation for error messages."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Union:
+        return " or ".join(_describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list:
+        return f"a list of ({_describe(args[0])})"
+    if origin is tuple:
+        return "a pair (" + ", ".join(_describe(a) for a in args) + ")"
+    if hint is type(None):
+        return "None"
+    return hint.__name__
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+# (field, predicate on a non-None value, what the message says it must be). Types are already
+# checked when these run.
+_VALUE_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    *(
+        (name, lambda v: v >= 1, "a positive integer")
+        for name in (
+            "tensor_parallel_shards",
+            "pipeline_parallel_stages",
+            "max_num_sequence",
+            "max_total_sequence_length",
+            "max_single_sequence_length",
+            "prefill_chunk_size",
+            "sliding_window_size",
+            "max_history_size",
+        )
+    ),
+    # Page-granular kernels index within a page with bit masks / power-of-two block shapes.
+    ("kv_cache_page_size", _is_power_of_two, "a positive power of two"),
+    ("model", lambda v: v != "", "a non-empty path"),
+    ("model_lib", lambda v: v != "", "a non-empty path"),
+    (
+        "additional_models",
+        lambda v: all(path for m in v for path in ((m,) if isinstance(m, str) else m)),
+        "a list of non-empty paths",
+    ),
+    ("gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("attention_sink_size", lambda v: v >= 0, ">= 0"),
+    ("spec_draft_length", lambda v: v >= 0, ">= 0 (0 = adaptive)"),
+    ("spec_tree_width", lambda v: v >= 1, ">= 1"),
+    ("prefix_cache_max_num_recycling_seqs", lambda v: v >= -1, ">= -1 (-1 = unbounded)"),
+)
+
+
+def _check_combinations(c: EngineConfig) -> None:
+    """Refuse settings that contradict each other (each one valid on its own)."""
+    if c.attention_sink_size is not None and c.sliding_window_size is None:
+        raise ValueError(
+            f"attention_sink_size={c.attention_sink_size} needs sliding_window_size to be set"
+        )
+    if c.max_history_size is not None and c.kv_state_kind == "kv_cache":
+        raise ValueError(
+            f"max_history_size={c.max_history_size} only applies to kv_state_kind='rnn_state', "
+            f"got kv_state_kind='kv_cache'"
+        )
+    if c.speculative_mode != "disable" and not c.additional_models:
+        raise ValueError(
+            f"speculative_mode={c.speculative_mode!r} needs its draft model or heads in "
+            f"additional_models, got additional_models=[]"
+        )
+    if c.max_total_sequence_length is not None:
+        for name in ("max_single_sequence_length", "prefill_chunk_size"):
+            value = getattr(c, name)
+            if value is not None and value > c.max_total_sequence_length:
+                raise ValueError(
+                    f"{name}={value} exceeds max_total_sequence_length="
+                    f"{c.max_total_sequence_length} (the KV cache could never hold it)"
+                )

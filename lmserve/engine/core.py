@@ -1,0 +1,191 @@
+"""EngineCore: the single loop body that owns the model, the KV cache and the scheduler."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from lmserve.attention.base import create_backend
+from lmserve.cache.kv import KVCache
+from lmserve.cache.pages import PagePool
+from lmserve.config import EngineConfig, parse_opt
+from lmserve.engine.output import OutputProcessor
+from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
+from lmserve.models.registry import model_class
+from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
+from lmserve.plan import make_plan
+from lmserve.request import Request, Sequence, SeqStatus
+from lmserve.runner import ModelRunner
+from lmserve.sampler import SampleResult, SamplingBatch, sample
+from lmserve.sampling_params import SamplingParams
+from lmserve.scheduler import Batch, Scheduler
+from lmserve.support import check_supported
+from lmserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("lmserve")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    """Counters since start; the periodic log line reports their rates."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class EngineCore:
+    """Loads the model and runs steps: schedule, forward, sample, append. Not thread-safe:
+    exactly one thread (the engine loop) calls ``add_request``, ``abort_request`` and ``step``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        check_supported(config)
+        self.config = config
+        path = resolve_model_path(config.model)
+        self.model_path = path
+        self.args = read_model_args(path)
+        self.plan = make_plan(config, self.args)
+        opt = parse_opt(config.opt)
+        self.device = torch.device("cpu")
+
+        weights = load_weights(path)
+        model = model_class(self.args.architecture)(self.args, weights, _DTYPES[opt.weight_dtype])
+        del weights
+        self.tokenizer = Tokenizer.from_model(path)
+
+        a, plan = self.args, self.plan
+        kv = KVCache(a.num_layers, plan.num_pages, plan.page_size, a.num_kv_heads, a.head_dim,
+                     _DTYPES[opt.kv_dtype], self.device)
+        self.pool = PagePool(plan.num_pages)
+        self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_sequence,
+                                   plan.prefill_chunk_size, config.prefill_mode)
+        self.runner = ModelRunner(model, kv, create_backend("torch_native"),
+                                  plan.max_single_sequence_length, self.device)
+        self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        if config.verbose:
+            logger.info("model %s (%s, %d layers)\n%s", path, a.architecture, a.num_layers,
+                        plan.describe())
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse a request that can never run, before it is queued (safe from any thread)."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        limit = self.plan.max_single_sequence_length
+        if len(prompt_token_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens, but this engine allows at most "
+                f"{limit} tokens per sequence (prompt and output together), so at most "
+                f"{limit - 1} prompt tokens"
+            )
+        vocab = self.args.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+        params.check_vocab(vocab)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, list(prompt_token_ids), params)
+        for i in range(params.n):
+            req.seqs.append(Sequence(req, i, list(prompt_token_ids), self._generator(params, i)))
+        self.requests[request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        """Stop a request wherever it is and free its pages; its last output says "abort"."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        deltas = []
+        for seq in req.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+                deltas.append(SequenceDelta(seq.index, "", [], None, "abort"))
+        return RequestOutput(request_id, req.prompt_token_ids, deltas, finished=True)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass over the next batch; return each touched request's news."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        logits = self.runner.execute(batch)
+        self.scheduler.commit(batch)
+        sampling = [c.seq for c in batch.chunks if c.samples]
+        result = sample(logits, self._sampling_batch(sampling)) if sampling else None
+        self._count(batch)
+        return self._append(sampling, result)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _generator(params: SamplingParams, index: int) -> Optional[torch.Generator]:
+        if params.is_greedy:
+            return None
+        seed = params.seed + index if params.seed is not None else random.getrandbits(63)
+        return torch.Generator().manual_seed(seed)
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch.build(
+            params=[s.request.params for s in seqs],
+            generators=[s.generator for s in seqs],
+            prompt_token_ids=[s.request.prompt_token_ids for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs],
+            vocab_size=self.args.vocab_size,
+            device=self.device,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
+
+    def _append(self, seqs: list[Sequence], result: Optional[SampleResult]) -> list[RequestOutput]:
+        by_request: dict[str, RequestOutput] = {}
+        for row, seq in enumerate(seqs):
+            token = int(result.token_ids[row])
+            delta = self.outputs.append(seq, token, _logprob(result, row, seq.request.params))
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            req = seq.request
+            out = by_request.setdefault(
+                req.request_id, RequestOutput(req.request_id, req.prompt_token_ids, [], False)
+            )
+            out.deltas.append(delta)
+        for out in by_request.values():
+            req = self.requests[out.request_id]
+            out.finished = req.finished
+            if out.finished:
+                del self.requests[out.request_id]
+        return list(by_request.values())
+
+    def _count(self, batch: Batch) -> None:
+        for c in batch.chunks:
+            if c.samples and c.num_tokens == 1 and c.seq.num_output_tokens > 0:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += c.num_tokens
+        self.stats.steps += 1
+
+
+def _logprob(result: SampleResult, row: int, params: SamplingParams) -> Optional[TokenLogprob]:
+    if params.logprobs is None or result.logprobs is None:
+        return None
+    k = params.logprobs
+    top = list(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
+    return TokenLogprob(int(result.token_ids[row]), float(result.logprobs[row]), top)

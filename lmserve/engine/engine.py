@@ -1,0 +1,107 @@
+"""The synchronous Python API: ``Engine`` with ``chat.completions.create`` and ``completions.create``."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import uuid
+from typing import Iterator, Optional, Union
+
+from lmserve.config import EngineConfig
+from lmserve.engine.core import EngineCore
+from lmserve.engine.loop import EngineLoop
+from lmserve.engine.openai_api import Chat, Completions
+from lmserve.outputs import RequestOutput
+from lmserve.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def make_config(model: Optional[str], config: Optional[EngineConfig], overrides: dict) -> EngineConfig:
+    """One EngineConfig from the three ways a caller can give one (overrides win)."""
+    base = config or EngineConfig()
+    changes = dict(overrides)
+    if model is not None:
+        changes["model"] = model
+    unknown = set(changes) - {f.name for f in dataclasses.fields(EngineConfig)}
+    if unknown:
+        raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+    return dataclasses.replace(base, **changes)
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}-{next(_ids)}"
+
+
+class EngineBase:
+    """What the sync and async engines share: loading, the engine thread, and the tokenizer."""
+
+    def __init__(self, model: Optional[str] = None, *, config: Optional[EngineConfig] = None,
+                 **overrides) -> None:
+        self.config = make_config(model, config, overrides)
+        if self.config.verbose and not logging.getLogger("lmserve").handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s lmserve: %(message)s"))
+            logging.getLogger("lmserve").addHandler(handler)
+            logging.getLogger("lmserve").setLevel(logging.INFO)
+        self._core = EngineCore(self.config)
+        self._loop = EngineLoop(self._core)
+        self.tokenizer = self._core.tokenizer
+        self.model_name = os.path.basename(self._core.model_path.rstrip("/"))
+        self.max_model_len = self._core.plan.max_single_sequence_length
+
+    @property
+    def plan(self):
+        return self._core.plan
+
+    def kv_pages_in_use(self) -> int:
+        """KV pages held by sequences (0 once every request is finished or aborted)."""
+        return self._core.pool.num_used
+
+    def encode_prompt(self, prompt: Union[str, list[int]]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; requests still running end with an error."""
+        self._loop.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class Engine(EngineBase):
+    """Loads a model and serves requests from any number of threads through one engine thread.
+
+    ``Engine()`` serves the built-in model; ``Engine("model.gguf")`` or ``Engine("hf_dir/")``
+    another one; any :class:`EngineConfig` field can be given as a keyword.
+    """
+
+    def __init__(self, model: Optional[str] = None, *, config: Optional[EngineConfig] = None,
+                 **overrides) -> None:
+        super().__init__(model, config=config, **overrides)
+        self.chat = Chat(self)
+        self.completions = Completions(self)
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: Optional[str] = None) -> Iterator[RequestOutput]:
+        """Stream a request's outputs; stopping the iteration early aborts the request."""
+        request_id = request_id or new_request_id()
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop.submit(request_id, prompt_token_ids, params, outputs.put)
+        finished = False
+        try:
+            while not finished:
+                out = outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._loop.abort(request_id)

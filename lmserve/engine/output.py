@@ -1,0 +1,73 @@
+"""From sampled tokens to what callers see: text deltas, stop conditions, finish reasons."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lmserve.engine.stop import StopChecker
+from lmserve.outputs import SequenceDelta, TokenLogprob
+from lmserve.request import Sequence
+from lmserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _ChoiceState:
+    detokenizer: IncrementalDetokenizer
+    stop: Optional[StopChecker]
+
+
+class OutputProcessor:
+    """Appends each sampled token to its sequence and decides whether the sequence is done.
+
+    Stop rules, in order: a ``stop_token_ids`` hit or (unless ``ignore_eos``) an end-of-sequence
+    token; a stop string in the text (never a fragment of one reaches the caller); then
+    ``max_tokens`` or the longest allowed sequence ("length"). Before ``min_tokens`` outputs, only
+    the length limits apply.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_sequence_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(tokenizer.eos_token_ids)
+        self.max_sequence_length = max_sequence_length
+
+    def append(self, seq: Sequence, token_id: int, logprob: Optional[TokenLogprob]) -> SequenceDelta:
+        p = seq.request.params
+        if seq.output_state is None:
+            seq.output_state = _ChoiceState(
+                IncrementalDetokenizer(self.tokenizer, seq.request.prompt_token_ids,
+                                       skip_special_tokens=p.skip_special_tokens),
+                StopChecker(p.stop, p.include_stop_str_in_output) if p.stop else None,
+            )
+        state: _ChoiceState = seq.output_state
+        seq.token_ids.append(token_id)
+        may_stop = seq.num_output_tokens >= p.min_tokens
+
+        text = ""
+        if may_stop and token_id in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token_id
+        elif may_stop and not p.ignore_eos and token_id in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        else:
+            text = state.detokenizer.push(token_id)
+            if state.stop is not None:
+                text, matched = state.stop.feed(text) if may_stop else (text, None)
+                if matched is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", matched
+
+        if seq.finish_reason is None and (
+            (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+            or len(seq.token_ids) >= self.max_sequence_length
+        ):
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None and seq.stop_reason is None and state.stop is not None:
+            text += state.stop.flush()  # held back as a possible stop string that never came
+
+        return SequenceDelta(
+            index=seq.index,
+            text=text,
+            token_ids=[token_id],
+            logprobs=[logprob] if logprob is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )

@@ -1,0 +1,53 @@
+"""Rotary position embeddings (Hugging Face "rotate half" layout), with Llama-3 style scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
+    """Inverse frequencies ``(head_dim/2,)``, adjusted by the model's rope scaling if any."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_ctx / low, inv_freq / factor, blended)
+        out = torch.where(wavelen < old_ctx / high, inv_freq, out)
+        return out.float()
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+class RotaryEmbedding:
+    """A cos/sin table for every position up to ``max_positions``, looked up once per step."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling=None, device="cpu"):
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # (P, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (P, hd)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, shaped ``(T, 1, hd)`` to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(T, heads, hd)`` by the per-token angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

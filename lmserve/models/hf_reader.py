@@ -1,0 +1,131 @@
+"""Read a Hugging Face model directory (config.json + safetensors) into ``ModelArgs`` and float32 tensors."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+
+from lmserve.models.args import ModelArgs
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_WEIGHT_NAME = re.compile(
+    r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight"
+    r"|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight"
+    r"|model\.layers\.\d+\.self_attn\.[qkvo]_proj\.(weight|bias)"
+    r"|model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.(weight|bias)"
+)
+# Old checkpoints saved the RoPE inverse frequencies, which are recomputed from the config.
+_IGNORED_NAME = re.compile(r".*rotary_emb\.inv_freq")
+
+
+def read_hf_args(model_dir: str) -> ModelArgs:
+    """Read the architecture hyper-parameters from ``config.json`` (and ``generation_config.json``)."""
+    config = _read_json(os.path.join(model_dir, "config.json"))
+    if config is None:
+        raise FileNotFoundError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
+    archs = config.get("architectures") or []
+    known = [a for a in archs if a in _ARCHITECTURES]
+    if not known:
+        raise ValueError(
+            f"{model_dir}/config.json has architectures {archs}, which lmserve does not support "
+            f"(supported: {', '.join(_ARCHITECTURES)})"
+        )
+    arch = _ARCHITECTURES[known[0]]
+    hidden = int(config["hidden_size"])
+    num_heads = int(config["num_attention_heads"])
+    rope_theta, rope_scaling = _rope(config)
+    if arch == "qwen2":
+        # Qwen2 configs carry a sliding_window value even when it is switched off.
+        sliding_window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    else:
+        sliding_window = config.get("sliding_window")
+    generation = _read_json(os.path.join(model_dir, "generation_config.json")) or {}
+    eos_ids: list[int] = []
+    for source in (config.get("eos_token_id"), generation.get("eos_token_id")):
+        for token_id in source if isinstance(source, list) else [source]:
+            if token_id is not None and int(token_id) not in eos_ids:
+                eos_ids.append(int(token_id))
+    bos = config.get("bos_token_id")
+    return ModelArgs(
+        architecture=arch,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        context_length=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
+        sliding_window=int(sliding_window) if sliding_window else None,
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=eos_ids,
+    )
+
+
+def read_hf_weights(model_dir: str) -> dict[str, torch.Tensor]:
+    """Load every weight of a Hugging Face directory as float32, from safetensors files only.
+
+    Pickle-based ``.bin``/``.pt`` checkpoints are refused: loading them can run arbitrary code.
+    """
+    tie = bool((_read_json(os.path.join(model_dir, "config.json")) or {}).get("tie_word_embeddings", False))
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(model_dir):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                if _IGNORED_NAME.fullmatch(name) or (tie and name == "lm_head.weight"):
+                    continue
+                if not _WEIGHT_NAME.fullmatch(name):
+                    raise ValueError(f"{file} has tensor '{name}', which lmserve does not know")
+                weights[name] = handle.get_tensor(name).to(torch.float32)
+    return weights
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index = _read_json(os.path.join(model_dir, "model.safetensors.index.json"))
+    if index is not None:
+        return [os.path.join(model_dir, f) for f in sorted(set(index["weight_map"].values()))]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if files:
+        return files
+    pickles = [f for pattern in ("*.bin", "*.pt", "*.pth") for f in glob.glob(os.path.join(model_dir, pattern))]
+    if pickles:
+        raise ValueError(
+            f"{model_dir} has only pickle checkpoints ({', '.join(sorted(os.path.basename(f) for f in pickles))}); "
+            "lmserve loads safetensors only, because unpickling can run arbitrary code. Convert the model "
+            "to safetensors (e.g. save_pretrained(dir, safe_serialization=True) in a trusted environment)."
+        )
+    raise FileNotFoundError(f"{model_dir} has no *.safetensors weight files")
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    """RoPE base and scaling dict; transformers 5 folds both into ``rope_parameters``, v4 used
+    ``rope_theta`` + ``rope_scaling`` (whose older spelling of ``rope_type`` is ``type``)."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    if "type" in params:
+        params["rope_type"] = params.pop("type")
+    if params.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, params
+
+
+def _read_json(path: str) -> Optional[dict[str, Any]]:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -1,0 +1,45 @@
+"""Pick the reader for a model reference: nothing (the built-in model), a GGUF file or a Hugging Face directory."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from lmserve.models.args import ModelArgs
+from lmserve.models.builtin import builtin_model_path
+from lmserve.models.gguf_reader import read_gguf_args, read_gguf_weights
+from lmserve.models.hf_reader import read_hf_args, read_hf_weights
+
+
+def resolve_model_path(model: Optional[str]) -> str:
+    """Return the absolute path of the model to load, checking that its format is one lmserve reads.
+
+    ``None`` means the built-in model; otherwise ``model`` must be a ``.gguf`` file or a
+    directory holding a Hugging Face ``config.json``.
+    """
+    if model is None:
+        return builtin_model_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {model!r} does not exist")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"directory {model!r} has no config.json, so it is not a Hugging Face model directory")
+        return path
+    if path.lower().endswith(".gguf"):
+        return path
+    raise ValueError(f"model {model!r} is neither a .gguf file nor a Hugging Face model directory")
+
+
+def read_model_args(model: Optional[str]) -> ModelArgs:
+    """Read a model's hyper-parameters without loading its weights (e.g. to plan memory)."""
+    path = resolve_model_path(model)
+    return read_hf_args(path) if os.path.isdir(path) else read_gguf_args(path)
+
+
+def load_weights(model: Optional[str]) -> dict[str, torch.Tensor]:
+    """Load a model's weights as float32 tensors keyed by Hugging Face Llama names."""
+    path = resolve_model_path(model)
+    return read_hf_weights(path) if os.path.isdir(path) else read_gguf_weights(path)

@@ -1,0 +1,40 @@
+"""Plain data the engine hands back to its callers, one batch of deltas per request per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one generated token, and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class SequenceDelta:
+    """What one choice (of the request's ``n``) produced since its previous delta."""
+
+    index: int  # which choice, 0 .. n-1
+    text: str  # new text; a possible start of a stop string is held back until resolved
+    token_ids: list[int]  # new token ids (the stop token itself included when one ended it)
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token id when logprobs were asked
+    finish_reason: Optional[FinishReason] = None
+    # The stop string or stop token id that ended the choice; None for eos or length.
+    stop_reason: Union[str, int, None] = None
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for a request: a delta per choice that moved, and whether all are done."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    deltas: list[SequenceDelta]
+    finished: bool

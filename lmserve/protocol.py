@@ -1,0 +1,488 @@
+"""Pydantic models of the OpenAI chat and text completion APIs, as lmserve accepts and returns them.
+
+Requests:
+    ``ChatCompletionRequest`` and ``CompletionRequest`` carry OpenAI's fields plus a few vLLM-style
+    sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+    ``stop_token_ids``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``).
+    Every nullable field defaults to ``None`` and OpenAI's default is applied in
+    ``to_sampling_params``, so an explicit JSON ``null`` means the same as leaving the field out.
+
+    Unknown fields are refused, at every level (a typo such as ``max_token`` or an OpenAI feature
+    we do not implement would otherwise be silently ignored and the caller would get a different
+    generation than they asked for). OpenAI itself ignores some unknown fields; vLLM refuses them.
+
+    Checks that involve one field live on the field; checks across fields (``top_logprobs`` needs
+    ``logprobs``, ``stream_options`` needs ``stream``, ...) run in ``to_sampling_params``, so a
+    request is fully validated once that has returned. Every failure is an
+    ``InvalidRequestError`` whose ``param`` names the offending field, the shape OpenAI's error
+    body uses (``parse`` turns pydantic's ``ValidationError`` into one).
+
+    ``response_format``, ``tools`` and ``tool_choice`` are validated for shape only: the tools
+    reach the chat template, but nothing constrains the output or parses tool calls yet.
+
+Responses:
+    ``ChatCompletion``, ``ChatCompletionChunk``, ``Completion`` (OpenAI uses it for the streamed
+    chunks of text completions too) and their parts have the field names and nesting of the
+    official ``openai`` package's types. Choices also carry ``stop_reason`` (the stop string or
+    stop token id that ended them), as vLLM does; OpenAI clients ignore it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, TypeVar, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from lmserve.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    MIN_REPETITION_PENALTY,
+    MIN_SEED,
+    SamplingParams,
+)
+
+MAX_N = 128  # OpenAI's limit on choices per request
+
+
+class InvalidRequestError(ValueError):
+    """A request that cannot be served as asked; ``param`` names the field at fault (or None)."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    @classmethod
+    def from_validation_error(cls, err: ValidationError) -> InvalidRequestError:
+        """Summarize pydantic's errors, each prefixed by its dotted path.
+
+        ``param`` is the top-level request field: deeper path parts may be pydantic's names for
+        the members of a union (``stop.str``), which mean nothing to a caller.
+        """
+        errors = err.errors(include_url=False)
+        lines = []
+        for e in errors:
+            where = ".".join(str(part) for part in e["loc"]) or "request"
+            what = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+            lines.append(f"{where}: {what}")
+        param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
+        return cls("; ".join(lines), param)
+
+
+class _Strict(BaseModel):
+    """Base of every request-side model: unknown fields are an error, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat messages
+
+
+class TextContentPart(_Strict):
+    """A text part of a message whose content is a list of parts (the only kind we accept)."""
+
+    type: Literal["text"]
+    text: str
+
+
+MessageContent = Union[str, list[TextContentPart]]
+
+
+class SystemMessage(_Strict):
+    """Instructions for the model; ``developer`` is OpenAI's newer name for the same role."""
+
+    role: Literal["system", "developer"]
+    content: MessageContent
+    name: Optional[str] = None
+
+
+class UserMessage(_Strict):
+    role: Literal["user"]
+    content: MessageContent
+    name: Optional[str] = None
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: Optional[MessageContent] = None
+    name: Optional[str] = None
+    refusal: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+
+
+class ToolMessage(_Strict):
+    role: Literal["tool"]
+    content: MessageContent
+    tool_call_id: str
+
+
+ChatMessageParam = Annotated[
+    Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage],
+    Field(discriminator="role"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape-only request options: response_format, tools, tool_choice, stream_options
+
+
+class TextResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectResponseFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchema(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: Optional[str] = None
+    # "schema" would shadow a BaseModel attribute, hence the alias.
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class JsonSchemaResponseFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[
+    Union[TextResponseFormat, JsonObjectResponseFormat, JsonSchemaResponseFormat],
+    Field(discriminator="type"),
+]
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # JSON schema of the arguments
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = None  # send a last chunk with the usage of the whole request
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+_Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+_Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+_TokenId = Annotated[int, Field(ge=0)]
+_R = TypeVar("_R", bound="GenerationRequest")
+
+
+class GenerationRequest(_Strict):
+    """The fields chat and text completion requests share, and their mapping to SamplingParams."""
+
+    model: Optional[str] = None  # None: whichever model is served
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    n: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = None
+    temperature: Optional[Annotated[float, Field(ge=0.0, le=2.0)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0.0, le=1.0)]] = None
+    stop: Union[str, Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)], None] = None
+    seed: Optional[Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)]] = None
+    presence_penalty: Optional[_Penalty] = None
+    frequency_penalty: Optional[_Penalty] = None
+    # OpenAI sends the token ids as JSON object keys, i.e. strings; pydantic parses them to int.
+    logit_bias: Optional[dict[_TokenId, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]] = None
+    user: Optional[str] = None  # accepted for compatibility, not used
+    # lmserve extensions (vLLM spelling)
+    top_k: Optional[Annotated[int, Field(ge=-1)]] = None  # -1 or 0: no top-k cut
+    min_p: Optional[_Probability] = None
+    repetition_penalty: Optional[
+        Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
+    ] = None
+    ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[list[_TokenId]] = None
+    min_tokens: Optional[Annotated[int, Field(ge=0)]] = None
+    skip_special_tokens: Optional[bool] = None
+    include_stop_str_in_output: Optional[bool] = None
+
+    @classmethod
+    def parse(cls: type[_R], data: Any) -> _R:
+        """Validate a request body (a mapping), raising ``InvalidRequestError`` naming the field."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise InvalidRequestError.from_validation_error(err) from None
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: Union[str, list[str], None]) -> Union[str, list[str], None]:
+        # An empty stop string would end every choice before its first token.
+        if stop == "" or (isinstance(stop, list) and "" in stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @property
+    def wants_usage_chunk(self) -> bool:
+        """Whether a stream should end with a chunk carrying the usage of the whole request."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _requested_max_tokens(self) -> Optional[int]:
+        """The caller's limit on generated tokens per choice; chat adds its newer spelling."""
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The name under which the caller gave the token limit, for error messages."""
+        return "max_tokens"
+
+    def _logprobs(self) -> Optional[int]:
+        """SamplingParams.logprobs: None, or how many top alternatives to report per token."""
+        raise NotImplementedError
+
+    def _check(self) -> None:
+        """Cross-field checks; raise InvalidRequestError naming the field."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+
+    def to_sampling_params(self, default_max_tokens: Optional[int]) -> SamplingParams:
+        """Map the request to SamplingParams with OpenAI's defaults.
+
+        ``default_max_tokens`` is used when the request sets no limit (the server passes what the
+        context window leaves after the prompt); None leaves SamplingParams' own default.
+        """
+        self._check()
+        max_tokens = self._requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        if self.min_tokens is not None and max_tokens is not None and self.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) exceeds the token limit ({max_tokens})", "min_tokens"
+            )
+        kwargs: dict[str, Any] = dict(
+            n=1 if self.n is None else self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            logprobs=self._logprobs(),
+        )
+        # Fields OpenAI has no default for, and the extensions: only when set, so that
+        # SamplingParams' own defaults (whatever "disabled" means there) stay in charge.
+        optional = dict(
+            max_tokens=max_tokens,
+            seed=self.seed,
+            logit_bias=self.logit_bias,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as err:  # a combination only SamplingParams knows to refuse
+            raise InvalidRequestError(str(err)) from None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None  # newer name of max_tokens
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+
+    def _check(self) -> None:
+        super()._check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise InvalidRequestError(
+                "give max_completion_tokens or its deprecated alias max_tokens, not both", "max_tokens"
+            )
+
+    def _requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens" if self.max_tokens is not None else "max_completion_tokens"
+
+    def _logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+Prompt = Union[
+    Annotated[str, Field(min_length=1)],
+    Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
+    Annotated[list[_TokenId], Field(min_length=1)],
+    Annotated[list[Annotated[list[_TokenId], Field(min_length=1)]], Field(min_length=1)],
+]
+
+
+class CompletionRequest(GenerationRequest):
+    """Body of ``POST /v1/completions``. A list of prompts gives ``n`` choices per prompt."""
+
+    prompt: Prompt
+    echo: Optional[bool] = None  # prepend the prompt to each choice's text
+    # OpenAI allows 5 here; we allow as many as for chat. Strict, so that chat's ``logprobs: true``
+    # is refused rather than read as 1.
+    logprobs: Optional[Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]] = None
+    suffix: Optional[str] = None  # insertion mode: refused, the models we serve do not do it
+
+    def _check(self) -> None:
+        super()._check()
+        if self.suffix is not None:
+            raise InvalidRequestError("suffix is not supported", "suffix")
+        if self.echo and self.logprobs is not None:
+            # OpenAI would then score the prompt tokens too, which the engine does not compute.
+            raise InvalidRequestError("echo together with logprobs is not supported", "echo")
+
+    def _logprobs(self) -> Optional[int]:
+        return self.logprobs
+
+    def prompts(self) -> Union[list[str], list[list[int]]]:
+        """The prompt as a list of prompts: strings, or token id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return p  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+FinishReason = Literal["stop", "length"]
+StopReason = Union[int, str, None]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int  # over all choices
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None  # the token's UTF-8 bytes (a token may be part of a character)
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # best first; may hold fewer than top_logprobs entries
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+    refusal: Optional[list[ChatTokenLogprob]] = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: Optional[str] = None
+    refusal: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: FinishReason
+    stop_reason: StopReason = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: Optional[str] = None
+
+
+class ChatDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None  # only on a choice's first chunk
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChatChoiceLogprobs] = None
+    finish_reason: Optional[FinishReason] = None  # set on the choice's last chunk
+    stop_reason: StopReason = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]  # empty in the final usage chunk
+    usage: Optional[Usage] = None
+    system_fingerprint: Optional[str] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]  # token text -> logprob, per position
+    text_offset: list[int]  # where each token starts in the choice's text
+
+
+class CompletionChoice(BaseModel):
+    index: int  # prompt index * n + choice index within the prompt
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[FinishReason] = None  # None only in stream chunks before the last
+    stop_reason: StopReason = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None  # always set on the full response; on a stream's usage chunk
+    system_fingerprint: Optional[str] = None

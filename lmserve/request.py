@@ -1,0 +1,73 @@
+"""Request and sequence state: what the scheduler, runner and output processor share."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lmserve.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV pages and takes part in steps
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One user request: a prompt and its sampling parameters, generating ``params.n`` choices."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list["Sequence"] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of a request: its tokens, how many of them have KV in the cache, and its pages.
+
+    ``token_ids`` is the prompt followed by the generated tokens. Tokens
+    ``[num_computed, len(token_ids))`` still need a forward pass: the prompt (or its rest) while
+    prefilling, the newest sampled token while decoding, everything after a preemption.
+    """
+
+    request: Request
+    index: int
+    token_ids: list[int]
+    generator: Optional[torch.Generator]
+    num_computed: int = 0
+    pages: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: Optional[str] = None
+    stop_reason: Union[str, int, None] = None
+    # Per-choice output state (detokenizer, stop checker), owned by the output processor.
+    output_state: Any = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens that still need a forward pass."""
+        return len(self.token_ids) - self.num_computed

@@ -1,0 +1,308 @@
+"""Choosing the next token of every running sequence from one step's logits.
+
+Pure functions of tensors, in the spirit of gpt-fast's ``generate.py``: once per step the engine
+builds a :class:`SamplingBatch` (one row per running sequence) and calls :func:`sample` on the
+``(B, V)`` logits. The stages run in this order:
+
+1. ``logit_bias`` (and, before ``min_tokens`` output tokens, a ban on stop and eos tokens);
+2. repetition, then frequency and presence penalties;
+3. greedy rows (temperature 0) take the argmax here;
+4. temperature, then top-k, top-p and min-p filtering;
+5. a draw from what is left, by the exponential race ``argmax(probs / Exponential(1))``.
+
+Every non-greedy row draws its noise from its own ``torch.Generator`` only, so a seeded row gets
+the same tokens whatever other rows share the batch, and in whatever order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from lmserve.sampling_params import SamplingParams
+
+# Dividing float32 logits by a temperature below this can overflow them to inf (and the
+# softmax to NaN); the distribution there is already a point mass on the argmax.
+_MIN_TEMPERATURE = 1e-6
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling settings, one row per running sequence, on the logits' device.
+
+    Build it with :meth:`build`. A stage's tensors are None when no row needs that stage, so
+    :func:`sample` skips it; when every row is plain greedy, ``greedy_fast_path`` is set and
+    sampling is a single argmax.
+    """
+
+    vocab_size: int
+    greedy_fast_path: bool  # all rows greedy, no bias, penalties or logprobs
+    greedy: torch.Tensor  # (B,) bool
+    random_rows: list[int]  # rows that draw a token, i.e. not greedy
+    generators: list[Optional[torch.Generator]]  # per row; None draws from torch's default one
+    temperatures: torch.Tensor  # (B,) float32; 1 on greedy rows, which never use it
+    # Additive biases as sparse entries: logit_bias values and -inf bans for min_tokens.
+    bias_index: Optional[torch.Tensor]  # (2, N) int64: row, token id
+    bias_values: Optional[torch.Tensor]  # (N,) float32
+    repetition_penalties: Optional[torch.Tensor]  # (B,) float32, 1 where off
+    seen: Optional[torch.Tensor]  # (B, V) bool: token occurs in the prompt or the output
+    frequency_penalties: Optional[torch.Tensor]  # (B,) float32, 0 where off
+    presence_penalties: Optional[torch.Tensor]  # (B,) float32, 0 where off
+    output_counts: Optional[torch.Tensor]  # (B, V) float32: occurrences in the output
+    top_k: Optional[torch.Tensor]  # (B,) int64, 0 where off
+    max_top_k: int  # largest k of any row; 0 when top_k is None
+    top_p: Optional[torch.Tensor]  # (B,) float32, 1 where off
+    min_p: Optional[torch.Tensor]  # (B,) float32, 0 where off
+    num_logprobs: Optional[torch.Tensor]  # (B,) int64: top alternatives asked, 0 where off
+    max_logprobs: Optional[int]  # K of the result; None when no row asked for logprobs
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[Optional[torch.Generator]],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        vocab_size: int,
+        device: Union[torch.device, str],
+        eos_token_ids: Sequence[int] = (),
+    ) -> SamplingBatch:
+        """Gather the settings of ``B = len(params)`` rows into tensors on ``device``.
+
+        ``generators[i]`` must live on ``device``. ``eos_token_ids`` are banned, together with
+        the row's ``stop_token_ids``, while a row has fewer than ``min_tokens`` output tokens.
+        Token ids are assumed checked with :meth:`SamplingParams.check_vocab`.
+        """
+        num_rows = len(params)
+        for name, rows in (
+            ("generators", generators),
+            ("prompt_token_ids", prompt_token_ids),
+            ("output_token_ids", output_token_ids),
+        ):
+            if len(rows) != num_rows:
+                raise ValueError(f"{name} has {len(rows)} rows, params has {num_rows}")
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        greedy = [p.is_greedy for p in params]
+        random_rows = [row for row, is_greedy in enumerate(greedy) if not is_greedy]
+
+        # Filters never change a greedy row's argmax, so only drawing rows switch them on.
+        top_k = [
+            0 if is_greedy or not 0 < p.top_k < vocab_size else p.top_k
+            for p, is_greedy in zip(params, greedy)
+        ]
+        top_p = [1.0 if is_greedy else p.top_p for p, is_greedy in zip(params, greedy)]
+        min_p = [0.0 if is_greedy else p.min_p for p, is_greedy in zip(params, greedy)]
+
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for row, (p, output) in enumerate(zip(params, output_token_ids)):
+            for token_id, bias in (p.logit_bias or {}).items():
+                bias_rows.append(row)
+                bias_ids.append(token_id)
+                bias_values.append(bias)
+            if len(output) < p.min_tokens:
+                banned = set(p.stop_token_ids) | set(eos_token_ids)
+                bias_rows.extend([row] * len(banned))
+                bias_ids.extend(banned)
+                bias_values.extend([float("-inf")] * len(banned))
+
+        use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+        use_counts = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+        output_counts = None
+        if use_repetition or use_counts:
+            output_counts = _token_counts(output_token_ids, vocab_size, device)
+        seen = None
+        if use_repetition:
+            prompt_counts = _token_counts(prompt_token_ids, vocab_size, device)
+            seen = (prompt_counts > 0) | (output_counts > 0)
+
+        want_logprobs = any(p.logprobs is not None for p in params)
+        num_logprobs = [p.logprobs or 0 for p in params]
+
+        return cls(
+            vocab_size=vocab_size,
+            greedy_fast_path=not random_rows
+            and not bias_rows
+            and not use_repetition
+            and not use_counts
+            and not want_logprobs,
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            random_rows=random_rows,
+            generators=list(generators),
+            temperatures=floats(
+                [1.0 if g else max(p.temperature, _MIN_TEMPERATURE) for p, g in zip(params, greedy)]
+            ),
+            bias_index=ints([bias_rows, bias_ids]) if bias_rows else None,
+            bias_values=floats(bias_values) if bias_rows else None,
+            repetition_penalties=(
+                floats([p.repetition_penalty for p in params]) if use_repetition else None
+            ),
+            seen=seen,
+            frequency_penalties=(
+                floats([p.frequency_penalty for p in params]) if use_counts else None
+            ),
+            presence_penalties=floats([p.presence_penalty for p in params]) if use_counts else None,
+            output_counts=output_counts if use_counts else None,
+            top_k=ints(top_k) if any(top_k) else None,
+            max_top_k=max(top_k, default=0),
+            top_p=floats(top_p) if any(v < 1.0 for v in top_p) else None,
+            min_p=floats(min_p) if any(v > 0.0 for v in min_p) else None,
+            num_logprobs=ints(num_logprobs) if want_logprobs else None,
+            max_logprobs=max(num_logprobs) if want_logprobs else None,
+        )
+
+
+@dataclass
+class SampleResult:
+    """The tokens chosen for a batch, and their logprobs when any row asked for them.
+
+    Logprobs come from the model's raw distribution, ``log_softmax`` of the logits before
+    bias, penalties, temperature or filtering (what vLLM reports by default). Row ``i``'s
+    alternatives are the first ``logprobs`` entries it asked for; past them ``top_ids`` is -1
+    and ``top_logprobs`` is -inf. Rows that did not ask still get values; ignore them.
+    """
+
+    token_ids: torch.Tensor  # (B,) int64
+    logprobs: Optional[torch.Tensor] = None  # (B,) float32: of the chosen token
+    top_ids: Optional[torch.Tensor] = None  # (B, K) int64, most likely first
+    top_logprobs: Optional[torch.Tensor] = None  # (B, K) float32, descending
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    """Choose one token per row of ``logits`` (``(B, V)``, float32) as ``batch`` says.
+
+    ``logits`` is not modified. Logprobs, when asked, are those of the model's raw
+    distribution (``log_softmax(logits)``), not of the processed one that was sampled.
+    """
+    if logits.shape != (batch.greedy.shape[0], batch.vocab_size):
+        raise ValueError(
+            f"logits have shape {tuple(logits.shape)}, the batch expects "
+            f"({batch.greedy.shape[0]}, {batch.vocab_size})"
+        )
+    if batch.greedy_fast_path:
+        return SampleResult(token_ids=logits.argmax(dim=-1))
+
+    logits = logits.float()
+    processed = _apply_bias_and_penalties(logits, batch)  # (B, V), a new tensor
+    token_ids = processed.argmax(dim=-1)  # (B,) what greedy rows take
+    if batch.random_rows:
+        probs = _filtered_probs(processed, batch)  # (B, V)
+        drawn = _exponential_race(probs, batch)  # (B,)
+        token_ids = torch.where(batch.greedy, token_ids, drawn)
+
+    if batch.max_logprobs is None:
+        return SampleResult(token_ids=token_ids)
+    raw = logits.log_softmax(dim=-1)  # (B, V)
+    chosen = raw.gather(1, token_ids[:, None]).squeeze(1)  # (B,)
+    top_logprobs, top_ids = raw.topk(batch.max_logprobs, dim=-1)  # (B, K) each
+    positions = torch.arange(batch.max_logprobs, device=logits.device)  # (K,)
+    unasked = positions[None, :] >= batch.num_logprobs[:, None]  # (B, K)
+    return SampleResult(
+        token_ids=token_ids,
+        logprobs=chosen,
+        top_ids=top_ids.masked_fill_(unasked, -1),
+        top_logprobs=top_logprobs.masked_fill_(unasked, float("-inf")),
+    )
+
+
+def _token_counts(
+    rows: list[list[int]], vocab_size: int, device: Union[torch.device, str]
+) -> torch.Tensor:
+    """Occurrences of each token id in each row: ``(B, V)`` float32."""
+    width = max((len(row) for row in rows), default=0)
+    # Pad with an id one past the vocabulary, counted in a spare column that is then dropped.
+    padded = [row + [vocab_size] * (width - len(row)) for row in rows]
+    ids = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(rows), width)
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))  # (B, V + 1)
+    return counts[:, :vocab_size]
+
+
+def _apply_bias_and_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Logit bias, then repetition, frequency and presence penalties, on a copy of the logits."""
+    x = logits.clone()  # (B, V)
+    if batch.bias_index is not None:
+        x.index_put_((batch.bias_index[0], batch.bias_index[1]), batch.bias_values, accumulate=True)
+    if batch.repetition_penalties is not None:
+        penalty = batch.repetition_penalties[:, None]  # (B, 1)
+        # Dividing a positive logit and multiplying a negative one both make the token rarer.
+        penalised = torch.where(x > 0, x / penalty, x * penalty)  # (B, V)
+        x = torch.where(batch.seen, penalised, x)
+    if batch.output_counts is not None:
+        counts = batch.output_counts  # (B, V)
+        x -= batch.frequency_penalties[:, None] * counts
+        x -= batch.presence_penalties[:, None] * (counts > 0)
+    return x
+
+
+def _filtered_probs(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, in place on ``x``; returns the probabilities."""
+    x /= batch.temperatures[:, None]  # (B, V)
+    if batch.top_k is not None:
+        _top_k_(x, batch.top_k, batch.max_top_k)
+    if batch.top_p is not None:
+        _top_p_(x, batch.top_p)
+    if batch.min_p is not None:
+        _min_p_(x, batch.min_p)
+    return x.softmax(dim=-1)
+
+
+def _top_k_(x: torch.Tensor, k: torch.Tensor, max_k: int) -> None:
+    """Keep each row's ``k`` largest logits (all of them where k is 0); ties at the edge stay."""
+    largest = x.topk(max_k, dim=-1).values  # (B, max_k), descending
+    kth = largest.gather(1, (k.clamp(min=1) - 1)[:, None])  # (B, 1)
+    kth.masked_fill_((k == 0)[:, None], float("-inf"))
+    x.masked_fill_(x < kth, float("-inf"))
+
+
+def _top_p_(x: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Keep each row's most likely tokens until their mass reaches ``top_p``."""
+    probs = x.softmax(dim=-1)  # (B, V)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # (B, V) each
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
+    # The most likely token always stays (its mass_before is 0 < top_p). Rows at 1.0 are
+    # exempt: rounding in the cumsum can push mass_before past 1 and drop tail tokens.
+    drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]  # (B, V)
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)  # (B, V)
+    x.masked_fill_(drop, float("-inf"))
+
+
+def _min_p_(x: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drop tokens less likely than ``min_p`` times the row's most likely token."""
+    probs = x.softmax(dim=-1)  # (B, V)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # (B, 1)
+    x.masked_fill_(probs < threshold, float("-inf"))
+
+
+def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Draw a token per row: ``argmax(probs / E)`` with ``E ~ Exponential(1)`` i.i.d.
+
+    The winner is distributed as ``probs``. Each row's noise is a fresh ``(V,)`` draw from its
+    own generator, so it does not depend on the batch around it; greedy rows draw nothing.
+    """
+    num_rows, vocab_size = probs.shape
+    noise = torch.ones_like(probs)  # (B, V); stays 1 on greedy rows, whose draw is discarded
+    shared: list[int] = []
+    for row in batch.random_rows:
+        generator = batch.generators[row]
+        if generator is None:
+            shared.append(row)
+        else:
+            noise[row] = torch.empty(vocab_size, device=probs.device).exponential_(
+                generator=generator
+            )
+    if shared:
+        noise[shared] = torch.empty(len(shared), vocab_size, device=probs.device).exponential_()
+    # An exponential draw can round to 0; 0 / 0 would be NaN, which argmax would pick.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)  # (B,)

@@ -1,0 +1,165 @@
+"""Continuous batching: which sequences run in the next step, how many tokens each, which pages.
+
+Every step the running sequences come first, oldest admission first: a decoding sequence gets
+its one token, a sequence part-way through its prompt gets the next chunk. Waiting sequences are
+then admitted in arrival order while there is room (batch slots, prefill budget, pages). When a
+running sequence needs a page and none is free, the most recently admitted running sequence is
+preempted: its pages are freed and it waits at the head of the queue to be recomputed.
+
+``prefill_mode="hybrid"``: decode tokens and prefill chunks share one step (split-fuse), the
+step's tokens capped at ``prefill_chunk_size``. ``"chunked"``: a step is all prefill or all decode.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from lmserve.cache.pages import PagePool, pages_needed
+from lmserve.request import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq``, starting at ``seq.num_computed``, in this step."""
+
+    seq: Sequence
+    num_tokens: int
+    samples: bool  # the chunk reaches the sequence's last token, so a new token is sampled
+
+
+@dataclass
+class Batch:
+    chunks: list[ScheduledChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+def _tokens(chunks: list[ScheduledChunk]) -> int:
+    return sum(c.num_tokens for c in chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: PagePool,
+        page_size: int,
+        max_num_sequence: int,
+        prefill_chunk_size: int,
+        prefill_mode: str = "hybrid",
+    ) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.max_num_sequence = max_num_sequence
+        self.prefill_chunk_size = prefill_chunk_size
+        self.prefill_mode = prefill_mode
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Optional[Batch]:
+        """Pick the next step's work; None when there is nothing to run."""
+        if self.prefill_mode == "chunked" and self._has_prefill_work():
+            chunks = self._schedule_running(decode=False)
+            chunks += self._admit_waiting(self.prefill_chunk_size - _tokens(chunks))
+            if chunks:
+                return Batch(chunks)
+            # No page for any prefill: run the decodes rather than stall.
+        chunks = self._schedule_running(decode=True)
+        if self.prefill_mode == "hybrid":
+            chunks += self._admit_waiting(self.prefill_chunk_size - _tokens(chunks))
+        return Batch(chunks) if chunks else None
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out of the queues and free its pages."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self._free_pages(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def commit(self, batch: Batch) -> None:
+        """Record that the batch ran: its tokens now have KV in the cache."""
+        for c in batch.chunks:
+            c.seq.num_computed += c.num_tokens
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _has_prefill_work(self) -> bool:
+        return any(s.num_pending > 1 for s in self.running) or (
+            bool(self.waiting) and len(self.running) < self.max_num_sequence
+        )
+
+    def _schedule_running(self, decode: bool) -> list[ScheduledChunk]:
+        """Chunks for running sequences: decodes first claim their token, prefills share the rest."""
+        decodes = sum(1 for s in self.running if s.num_pending == 1) if decode else 0
+        budget = self.prefill_chunk_size - decodes
+        chunks: list[ScheduledChunk] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            is_decode = seq.num_pending == 1
+            n = (1 if decode else 0) if is_decode else min(seq.num_pending, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not self._reserve(seq, n):
+                continue  # seq preempted itself (it was the newest); nothing left after it
+            if not is_decode:
+                budget -= n
+            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending))
+            i += 1
+        return chunks
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Give ``seq`` pages for ``n`` more tokens, preempting the newest sequences if needed.
+
+        Returns False when ``seq`` had to preempt itself (it was the newest one left).
+        """
+        need = pages_needed(seq.num_computed + n, self.page_size) - len(seq.pages)
+        while need > self.pool.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.pages += self.pool.alloc(need)
+        return True
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
+        chunks: list[ScheduledChunk] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_sequence:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, budget)
+            need = pages_needed(seq.num_computed + n, self.page_size) - len(seq.pages)
+            if need > self.pool.num_free:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.pages += self.pool.alloc(need)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            budget -= n
+            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending))
+        return chunks
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free_pages(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _free_pages(self, seq: Sequence) -> None:
+        self.pool.release(seq.pages)
+        seq.pages = []

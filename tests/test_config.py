@@ -1,0 +1,316 @@
+"""EngineConfig: seed interface, JSON round trip, validation; opt parsing; unsupported features."""
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+from typing import List, Literal, Optional, Tuple, Union  # noqa: UP035
+
+import pytest
+
+from lmserve.config import OPT_LEVELS, EngineConfig, OptFlags, parse_opt
+from lmserve.support import check_supported
+
+# The seed's interface, in its order: (name, annotation, default).
+SEED_FIELDS = [
+    ("model", Optional[str], None),
+    ("model_lib", Optional[str], None),
+    ("additional_models", List[Union[str, Tuple[str, str]]], []),
+    ("mode", Optional[Literal["local", "interactive", "server"]], None),
+    ("tensor_parallel_shards", Optional[int], None),
+    ("pipeline_parallel_stages", Optional[int], None),
+    ("opt", Optional[str], None),
+    ("gpu_memory_utilization", Optional[float], None),
+    ("kv_cache_page_size", int, 16),
+    ("max_num_sequence", Optional[int], None),
+    ("max_total_sequence_length", Optional[int], None),
+    ("max_single_sequence_length", Optional[int], None),
+    ("prefill_chunk_size", Optional[int], None),
+    ("sliding_window_size", Optional[int], None),
+    ("attention_sink_size", Optional[int], None),
+    ("max_history_size", Optional[int], None),
+    ("kv_state_kind", Optional[Literal["kv_cache", "rnn_state"]], None),
+    ("speculative_mode", Literal["disable", "small_draft", "eagle", "medusa"], "disable"),
+    ("spec_draft_length", int, 0),
+    ("spec_tree_width", int, 1),
+    ("prefix_cache_mode", Literal["disable", "radix"], "radix"),
+    ("prefix_cache_max_num_recycling_seqs", Optional[int], None),
+    ("prefill_mode", Literal["chunked", "hybrid"], "hybrid"),
+    ("verbose", bool, True),
+]
+
+_ROOT = Path(__file__).resolve().parents[1]
+_SEED_NAME = "seeds/000_012fcbac058173cd.txt"
+_SEED_PLACES = (_ROOT / "shared" / _SEED_NAME, _ROOT.parent / "shared" / _SEED_NAME)
+SEED_FILE = next((p for p in _SEED_PLACES if p.exists()), None)
+
+
+def _actual_fields():
+    hints = typing.get_type_hints(EngineConfig)
+    default = EngineConfig()
+    return [(f.name, hints[f.name], getattr(default, f.name)) for f in dataclasses.fields(default)]
+
+
+def test_fields_types_and_defaults_match_the_seed():
+    assert _actual_fields() == SEED_FIELDS
+
+
+@pytest.mark.skipif(SEED_FILE is None, reason="seed document not present in this checkout")
+def test_seed_document_agrees_with_the_field_table():
+    text = re.sub(r"#\s*noqa:\s*\w+", "", SEED_FILE.read_text())
+    # The field declarations sit between the class docstring's end and asjson().
+    start = text.rindex('"""', 0, text.index("model: Optional[str]")) + 3
+    body = text[start : text.index("def asjson")]
+    namespace = {**vars(typing), "field": lambda default_factory: default_factory()}
+    parsed = [
+        (name, eval(annotation, namespace), eval(default, namespace))
+        for name, annotation, default in re.findall(
+            r'(\w+): ([^=]+?) = (field\(default_factory=list\)|"[^"]*"|\w+)', body
+        )
+    ]
+    assert parsed == SEED_FIELDS
+
+
+def test_default_config_round_trips():
+    config = EngineConfig()
+    assert EngineConfig.from_json(config.asjson()) == config
+
+
+def test_round_trip_keeps_every_field_and_model_pairs_as_tuples():
+    config = EngineConfig(
+        model="m.gguf",
+        additional_models=["draft", ("head", "head.so")],
+        mode="interactive",
+        opt="O1;compile=1",
+        gpu_memory_utilization=0.5,
+        kv_cache_page_size=32,
+        max_num_sequence=3,
+        max_total_sequence_length=4096,
+        max_single_sequence_length=1024,
+        prefill_chunk_size=512,
+        sliding_window_size=256,
+        attention_sink_size=4,
+        kv_state_kind="rnn_state",
+        max_history_size=2,
+        speculative_mode="eagle",
+        spec_draft_length=5,
+        spec_tree_width=2,
+        prefix_cache_mode="disable",
+        prefix_cache_max_num_recycling_seqs=-1,
+        prefill_mode="chunked",
+        verbose=False,
+    )
+    again = EngineConfig.from_json(config.asjson())
+    assert again == config
+    assert again.additional_models == ["draft", ("head", "head.so")]
+
+
+def test_list_pairs_are_normalised_to_tuples_without_touching_the_callers_list():
+    models = ["a", ["b", "b.so"]]
+    assert EngineConfig(additional_models=models).additional_models == ["a", ("b", "b.so")]
+    assert models == ["a", ["b", "b.so"]]
+
+
+def test_int_is_accepted_for_a_float_field():
+    assert EngineConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+
+
+# (keyword arguments, error type, the value as it must appear in the message). The field name
+# (first keyword) must appear too.
+BAD_VALUES = [
+    ({"model": 3}, TypeError, "3"),
+    ({"model": ""}, ValueError, "''"),
+    ({"model_lib": ""}, ValueError, "''"),
+    ({"additional_models": "draft"}, TypeError, "'draft'"),
+    ({"additional_models": [3]}, TypeError, "[3]"),
+    ({"additional_models": [["a"]]}, TypeError, "[['a']]"),
+    ({"additional_models": [["a", "b", "c"]]}, TypeError, "[['a', 'b', 'c']]"),
+    ({"additional_models": [("a", 1)]}, TypeError, "[('a', 1)]"),
+    ({"additional_models": [""]}, ValueError, "['']"),
+    ({"additional_models": [("a", "")]}, ValueError, "[('a', '')]"),
+    ({"mode": "fast"}, ValueError, "'fast'"),
+    ({"mode": 1}, TypeError, "1"),
+    ({"tensor_parallel_shards": 0}, ValueError, "0"),
+    ({"tensor_parallel_shards": True}, TypeError, "True"),
+    ({"pipeline_parallel_stages": -1}, ValueError, "-1"),
+    ({"opt": 2}, TypeError, "2"),
+    ({"opt": "O9"}, ValueError, "'O9'"),
+    ({"gpu_memory_utilization": 0}, ValueError, "0"),
+    ({"gpu_memory_utilization": 1.5}, ValueError, "1.5"),
+    ({"gpu_memory_utilization": float("nan")}, ValueError, "nan"),
+    ({"gpu_memory_utilization": "0.5"}, TypeError, "'0.5'"),
+    ({"gpu_memory_utilization": False}, TypeError, "False"),
+    ({"kv_cache_page_size": 0}, ValueError, "0"),
+    ({"kv_cache_page_size": 24}, ValueError, "24"),
+    ({"kv_cache_page_size": 16.0}, TypeError, "16.0"),
+    ({"kv_cache_page_size": None}, TypeError, "None"),
+    ({"max_num_sequence": 0}, ValueError, "0"),
+    ({"max_total_sequence_length": -5}, ValueError, "-5"),
+    ({"max_single_sequence_length": 0}, ValueError, "0"),
+    ({"prefill_chunk_size": 0}, ValueError, "0"),
+    ({"prefill_chunk_size": "128"}, TypeError, "'128'"),
+    ({"sliding_window_size": 0}, ValueError, "0"),
+    ({"attention_sink_size": -1, "sliding_window_size": 8}, ValueError, "-1"),
+    ({"attention_sink_size": 4}, ValueError, "4"),
+    ({"max_history_size": 0}, ValueError, "0"),
+    ({"max_history_size": 2, "kv_state_kind": "kv_cache"}, ValueError, "2"),
+    ({"kv_state_kind": "paged"}, ValueError, "'paged'"),
+    ({"speculative_mode": "ngram"}, ValueError, "'ngram'"),
+    ({"speculative_mode": None}, TypeError, "None"),
+    ({"speculative_mode": "small_draft"}, ValueError, "'small_draft'"),
+    ({"spec_draft_length": -1}, ValueError, "-1"),
+    ({"spec_tree_width": 0}, ValueError, "0"),
+    ({"prefix_cache_mode": "lru"}, ValueError, "'lru'"),
+    ({"prefix_cache_max_num_recycling_seqs": -2}, ValueError, "-2"),
+    ({"prefill_mode": "split"}, ValueError, "'split'"),
+    ({"verbose": 1}, TypeError, "1"),
+    ({"max_single_sequence_length": 300, "max_total_sequence_length": 200}, ValueError, "300"),
+    ({"prefill_chunk_size": 300, "max_total_sequence_length": 200}, ValueError, "300"),
+]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, shown", BAD_VALUES, ids=[f"{next(iter(k))}={v}" for k, _, v in BAD_VALUES]
+)
+def test_bad_values_are_refused_naming_field_and_value(kwargs, error, shown):
+    with pytest.raises(error) as info:
+        EngineConfig(**kwargs)
+    assert type(info.value) is error  # a TypeError must not pass for a ValueError, nor back
+    message = str(info.value)
+    assert next(iter(kwargs)) in message
+    assert shown in message
+
+
+def test_from_json_names_unknown_keys():
+    with pytest.raises(ValueError, match="unknown keys: batch_size, max_batch"):
+        EngineConfig.from_json('{"mode": "local", "max_batch": 4, "batch_size": 2}')
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"local"', "null", "3"])
+def test_from_json_refuses_non_objects(text):
+    with pytest.raises(ValueError, match="must be an object"):
+        EngineConfig.from_json(text)
+
+
+def test_from_json_refuses_malformed_json():
+    with pytest.raises(ValueError, match="not valid JSON"):
+        EngineConfig.from_json("{mode: local}")
+
+
+def test_from_json_validates_values():
+    with pytest.raises(ValueError, match="kv_cache_page_size"):
+        EngineConfig.from_json('{"kv_cache_page_size": 0}')
+
+
+# ---- opt ----
+
+
+def test_knob_table_covers_every_flag():
+    from lmserve.config import _KNOB_VALUES
+
+    assert set(_KNOB_VALUES) == {f.name for f in dataclasses.fields(OptFlags)}
+
+
+def test_default_opt_is_level_o2():
+    assert parse_opt(None) == parse_opt("") == parse_opt("O2") == OPT_LEVELS["O2"]
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_levels_are_full_precision_and_uncompiled_for_now(level):
+    assert parse_opt(level) == OptFlags("float32", "float32", False)
+
+
+@pytest.mark.parametrize(
+    "opt, expected",
+    [
+        ("weight_dtype=bfloat16;compile=0", OptFlags("bfloat16", "float32", False)),
+        ("kv_dtype=float16", OptFlags("float32", "float16", False)),
+        ("compile=1", OptFlags("float32", "float32", True)),
+        ("compile=true", OptFlags("float32", "float32", True)),
+        ("O2;kv_dtype=bfloat16", OptFlags("float32", "bfloat16", False)),
+        (" O0 ; weight_dtype = float16 ; ", OptFlags("float16", "float32", False)),
+    ],
+)
+def test_knobs_adjust_the_level(opt, expected):
+    assert parse_opt(opt) == expected
+
+
+@pytest.mark.parametrize(
+    "opt, pieces",
+    [
+        ("O7", ["'O7'", "O0, O1, O2, O3"]),
+        ("fast=1", ["'fast'", "compile, kv_dtype, weight_dtype"]),
+        ("compile=yes", ["'yes'", "'compile'", "0, 1, false, true"]),
+        ("weight_dtype=int4", ["'int4'", "'weight_dtype'", "float32, bfloat16, float16"]),
+        ("compile=1;O2", ["'O2'", "name=value"]),
+        ("compile=1;compile=0", ["'compile'", "more than once"]),
+    ],
+)
+def test_bad_opt_is_refused_with_the_valid_choices(opt, pieces):
+    with pytest.raises(ValueError) as info:
+        parse_opt(opt)
+    for piece in pieces:
+        assert piece in str(info.value)
+
+
+def test_config_refuses_bad_opt_at_construction():
+    with pytest.raises(ValueError, match="unknown knob 'cudagraph'"):
+        EngineConfig(opt="cudagraph=1")
+
+
+# ---- features not built yet ----
+
+
+def test_default_config_is_supported():
+    check_supported(EngineConfig())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"opt": "O3;weight_dtype=bfloat16"},
+        {"mode": "local"},
+        {"mode": "interactive"},
+        {"tensor_parallel_shards": 1, "pipeline_parallel_stages": 1},
+        {"prefix_cache_mode": "radix"},
+        {"prefix_cache_mode": "disable"},
+        {"kv_state_kind": "kv_cache"},
+        {"prefill_mode": "chunked"},
+        {"max_num_sequence": 8, "max_total_sequence_length": 4096, "prefill_chunk_size": 256},
+    ],
+)
+def test_built_features_are_supported(kwargs):
+    check_supported(EngineConfig(**kwargs))
+
+
+UNBUILT = [
+    ({"model_lib": "model.so"}, "model_lib"),
+    ({"tensor_parallel_shards": 2}, "tensor_parallel_shards"),
+    ({"pipeline_parallel_stages": 2}, "pipeline_parallel_stages"),
+    ({"mode": "server"}, "mode"),
+    ({"gpu_memory_utilization": 0.85}, "gpu_memory_utilization"),
+    ({"sliding_window_size": 512}, "sliding_window_size"),
+    ({"sliding_window_size": 512, "attention_sink_size": 4}, "attention_sink_size"),
+    ({"max_history_size": 1}, "max_history_size"),
+    ({"kv_state_kind": "rnn_state"}, "kv_state_kind"),
+    ({"speculative_mode": "small_draft", "additional_models": ["d"]}, "speculative_mode"),
+    ({"spec_draft_length": 4}, "spec_draft_length"),
+    ({"spec_tree_width": 2}, "spec_tree_width"),
+    ({"additional_models": ["d"]}, "additional_models"),
+    ({"prefix_cache_max_num_recycling_seqs": 0}, "prefix_cache_max_num_recycling_seqs"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", UNBUILT, ids=[f for _, f in UNBUILT])
+def test_unbuilt_features_are_refused_by_name(kwargs, field):
+    config = EngineConfig(**kwargs)
+    with pytest.raises(NotImplementedError) as info:
+        check_supported(config)
+    assert f"{field}={getattr(config, field)!r}" in str(info.value)
+
+
+def test_every_unbuilt_feature_is_reported_at_once():
+    with pytest.raises(NotImplementedError) as info:
+        check_supported(EngineConfig(model_lib="x.so", tensor_parallel_shards=4))
+    assert "model_lib='x.so'" in str(info.value)
+    assert "tensor_parallel_shards=4" in str(info.value)

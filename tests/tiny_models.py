@@ -1,0 +1,227 @@
+"""Small random models for tests, as Hugging Face directories and GGUF files.
+
+They have the built-in model's tokenizer (vocab 49152, chat template), so they are complete
+models that every part of lmserve can load; only the weights are random. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.quants import quantize
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+from lmserve.models.builtin import builtin_model_path
+from lmserve.models.gguf_reader import llama3_rope_divisors, open_gguf
+from lmserve.tokenizer import Tokenizer
+
+VOCAB_SIZE = 49152  # the built-in tokenizer's
+
+_ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+# Hugging Face layer tensor suffix -> GGUF tensor suffix (the inverse of llama.cpp's naming).
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def random_model(
+    *,
+    arch: str = "llama",
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    seed: int = 0,
+    **config_overrides: Any,
+) -> PreTrainedModel:
+    """A random ``LlamaForCausalLM`` (or ``Qwen2ForCausalLM``) with the built-in tokenizer's vocab.
+
+    Every parameter is random, norms included (around 1), so a test notices swapped tensors.
+    """
+    config_cls, model_cls = _ARCHS[arch]
+    settings: dict[str, Any] = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    settings.update(copy.deepcopy(config_overrides))  # transformers edits rope dicts in place
+    config = config_cls(**settings)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def make_hf_llama(
+    model_dir: str,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    seed: int = 0,
+    arch: str = "llama",
+    **config_overrides: Any,
+) -> str:
+    """Save a random model (see ``random_model``) as a Hugging Face directory with safetensors
+    weights and the built-in tokenizer; return the directory."""
+    model = random_model(
+        arch=arch,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        seed=seed,
+        **config_overrides,
+    )
+    model.save_pretrained(model_dir)
+    _builtin_tokenizer().hf.save_pretrained(model_dir)
+    return str(model_dir)
+
+
+def make_gguf_llama(
+    path: str,
+    qtype: str = "F32",
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    seed: int = 0,
+    arch: str = "llama",
+    **config_overrides: Any,
+) -> str:
+    """Write a random model (the same one ``random_model`` gives for these arguments) as a GGUF file.
+
+    2-D weights are stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1 or Q5_0/Q5_1), norms as
+    F32, the way llama.cpp does; q/k rows are permuted like llama.cpp's converter (llama only)
+    and the tokenizer metadata is the built-in model's. Returns ``path``.
+    """
+    model = random_model(
+        arch=arch,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        seed=seed,
+        **config_overrides,
+    )
+    config = model.config
+    quant = GGMLQuantizationType[qtype]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer = GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = dict(config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    for key, value, vtype, sub_type in _builtin_tokenizer_metadata():
+        writer.add_key_value(key, value, vtype, sub_type)
+
+    tensors: dict[str, np.ndarray] = {}
+    for name, value in model.state_dict().items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue  # llama.cpp omits output.weight for tied models
+        if arch == "llama" and ".q_proj." in name:
+            value = _permute_rope_rows(value, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            value = _permute_rope_rows(value, config.num_key_value_heads)
+        tensors[_gguf_name(name)] = value.float().numpy()
+    if rope.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_divisors(rope, rope["rope_theta"], head_dim).float().numpy()
+    for name, array in tensors.items():
+        if array.ndim == 1 or quant == GGMLQuantizationType.F32:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, quantize(array, quant), raw_dtype=quant)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_tokenizer() -> Tokenizer:
+    return Tokenizer.from_model(builtin_model_path())
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_tokenizer_metadata() -> list[tuple[str, Any, GGUFValueType, Any]]:
+    """The built-in GGUF's ``tokenizer.*`` key/values, as GGUFWriter.add_key_value arguments."""
+    reader = open_gguf(builtin_model_path())
+    entries = []
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        entries.append((key, field.contents(), vtype, sub_type))
+    return entries
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[hf_name]
+    _, _, layer, suffix = hf_name.split(".", 3)  # model.layers.{i}.{suffix}
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[suffix]}"
+
+
+def _permute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's q/k permutation: each head's rows (2, head_dim/2) become (head_dim/2, 2)."""
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, 2, half, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
