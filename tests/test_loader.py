@@ -64,17 +64,12 @@ def test_builtin_args_are_exact() -> None:
     )
 
 
-def test_builtin_weights_equal_transformers_gguf_loader(builtin_weights: dict[str, torch.Tensor]) -> None:
+def test_builtin_weights_equal_transformers_gguf_loader(builtin_weights: dict[str, torch.Tensor], hf_builtin) -> None:
+    # hf_builtin (conftest.py) is AutoModelForCausalLM.from_pretrained(dir, gguf_file=..., float32).
     # transformers dequantizes with the same gguf code and reverses llama.cpp's q/k permutation
     # itself, so anything but equality means a wrong permutation, shape or name.
-    from transformers import AutoModelForCausalLM
-
-    path = builtin_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-    expected = model.state_dict()
-    assert model.config.tie_word_embeddings
+    expected = hf_builtin.state_dict()
+    assert hf_builtin.config.tie_word_embeddings
     assert set(builtin_weights) == set(expected) - {"lm_head.weight"}  # tied: no separate head
     for name, value in builtin_weights.items():
         assert value.dtype == torch.float32, name
@@ -104,7 +99,7 @@ _ELEMENT_TOLERANCE = {"F16": (2.0**-11, 2.0**-25), "BF16": (2.0**-8, 0.0)}  # (r
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_round_trip(qtype: str, tmp_path, reference: dict[str, torch.Tensor]) -> None:
-    weights = read_gguf_weights(make_gguf_llama(str(tmp_path / f"tiny-{qtype}.gguf"), qtype))
+    weights = read_gguf_weights(make_gguf_llama(str(tmp_path / f"tiny-{qtype}.gguf"), qtype, tokenizer=False))
     assert set(weights) == set(reference)
     for name, expected in reference.items():
         got = weights[name]
@@ -143,7 +138,7 @@ def test_gguf_args_of_tiny_model(tmp_path) -> None:
 
 def test_gguf_tied_embeddings_and_explicit_head_dim(tmp_path) -> None:
     kwargs = dict(num_kv_heads=4, head_dim=32, tie_word_embeddings=True)
-    path = make_gguf_llama(str(tmp_path / "tied.gguf"), **kwargs)
+    path = make_gguf_llama(str(tmp_path / "tied.gguf"), tokenizer=False, **kwargs)
     args = read_gguf_args(path)
     assert args.tie_word_embeddings and args.head_dim == 32
     weights = read_gguf_weights(path)
@@ -162,6 +157,7 @@ def test_gguf_llama3_rope_scaling_is_recovered(tmp_path) -> None:
         rope_theta=500000.0,
         rope_scaling=LLAMA3_SCALING,
         max_position_embeddings=131072,
+        tokenizer=False,
     )
     args = read_gguf_args(path)
     assert args.rope_scaling == LLAMA3_SCALING
@@ -170,7 +166,7 @@ def test_gguf_llama3_rope_scaling_is_recovered(tmp_path) -> None:
 
 
 def test_gguf_qwen2_has_biases_and_no_permutation(tmp_path) -> None:
-    path = make_gguf_llama(str(tmp_path / "qwen2.gguf"), arch="qwen2")
+    path = make_gguf_llama(str(tmp_path / "qwen2.gguf"), arch="qwen2", tokenizer=False)
     args = read_gguf_args(path)
     assert args.architecture == "qwen2" and args.attention_bias
     weights = read_gguf_weights(path)

@@ -131,13 +131,15 @@ def make_gguf_llama(
     num_kv_heads: int = 2,
     seed: int = 0,
     arch: str = "llama",
+    tokenizer: bool = True,
     **config_overrides: Any,
 ) -> str:
     """Write a random model (the same one ``random_model`` gives for these arguments) as a GGUF file.
 
     2-D weights are stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1 or Q5_0/Q5_1), norms as
     F32, the way llama.cpp does; q/k rows are permuted like llama.cpp's converter (llama only)
-    and the tokenizer metadata is the built-in model's. Returns ``path``.
+    and the tokenizer metadata is the built-in model's (``tokenizer=False`` leaves it out, which
+    makes the file ~0.7 s quicker to read when a test only needs weights). Returns ``path``.
     """
     model = random_model(
         arch=arch,
@@ -167,7 +169,7 @@ def make_gguf_llama(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(config.vocab_size)
-    for key, value, vtype, sub_type in _builtin_tokenizer_metadata():
+    for key, value, vtype, sub_type in _builtin_tokenizer_metadata() if tokenizer else []:
         writer.add_key_value(key, value, vtype, sub_type)
 
     tensors: dict[str, np.ndarray] = {}

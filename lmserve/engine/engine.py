@@ -61,6 +61,10 @@ class EngineBase:
         """KV pages held by sequences (0 once every request is finished or aborted)."""
         return self._core.pool.num_used
 
+    def is_idle(self) -> bool:
+        """True when no request is queued, running or waiting for its abort to be processed."""
+        return self._loop.is_idle()
+
     def encode_prompt(self, prompt: Union[str, list[int]]) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 

@@ -31,6 +31,8 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stopped = False
+        self._pending = 0  # commands posted and not yet handled
+        self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self._thread.start()
 
@@ -38,15 +40,25 @@ class EngineLoop:
                sink: Sink) -> None:
         """Validate in the caller's thread (errors raise here), then queue the request."""
         self.core.validate(prompt_token_ids, params)
-        self._commands.put(("add", request_id, prompt_token_ids, params, sink))
+        self._post(("add", request_id, prompt_token_ids, params, sink))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._post(("abort", request_id))
+
+    def is_idle(self) -> bool:
+        """No command waiting to be handled and no request in the engine."""
+        with self._pending_lock:
+            return self._pending == 0 and not self.core.has_work()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopped = True
-        self._commands.put(("wake",))
+        self._post(("wake",))
         self._thread.join(timeout)
+
+    def _post(self, cmd: tuple) -> None:
+        with self._pending_lock:
+            self._pending += 1
+        self._commands.put(cmd)
 
     # -- the thread ----------------------------------------------------------------------------
 
@@ -73,8 +85,15 @@ class EngineLoop:
         self._fail_all(RuntimeError("the engine was shut down"))
 
     def _handle(self, cmd) -> None:
-        if cmd is None or cmd[0] == "wake":
+        if cmd is None:
             return
+        try:
+            self._handle_command(cmd)
+        finally:
+            with self._pending_lock:
+                self._pending -= 1
+
+    def _handle_command(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, request_id, prompt, params, sink = cmd
             try:

@@ -50,18 +50,19 @@ class OutputProcessor:
             seq.finish_reason = "stop"
         else:
             text = state.detokenizer.push(token_id)
-            if state.stop is not None:
-                text, matched = state.stop.feed(text) if may_stop else (text, None)
-                if matched is not None:
-                    seq.finish_reason, seq.stop_reason = "stop", matched
-
         if seq.finish_reason is None and (
             (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
             or len(seq.token_ids) >= self.max_sequence_length
         ):
             seq.finish_reason = "length"
-        if seq.finish_reason is not None and seq.stop_reason is None and state.stop is not None:
-            text += state.stop.flush()  # held back as a possible stop string that never came
+        if seq.finish_reason is not None:
+            text += state.detokenizer.flush()  # an incomplete character held back, if any
+        if state.stop is not None and may_stop:
+            text, matched = state.stop.feed(text)
+            if matched is not None:
+                seq.finish_reason, seq.stop_reason = "stop", matched
+            elif seq.finish_reason is not None:
+                text += state.stop.flush()  # held back as a possible stop string that never came
 
         return SequenceDelta(
             index=seq.index,

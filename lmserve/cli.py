@@ -1,0 +1,208 @@
+"""The ``lmserve`` command line.
+
+Subcommands:
+    ``lmserve chat``: an interactive chat with a model in the terminal (see ``lmserve.chat_cli``).
+
+Every subcommand that starts an engine takes one flag per ``EngineConfig`` field, generated from
+the dataclass by ``add_engine_args`` and read back by ``engine_config_from_args``, so a new
+config field shows up on the command line without touching this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from typing import (  # noqa: UP035  (Tuple: EngineConfig's spelling, which == must match)
+    Any,
+    Literal,
+    Optional,
+    Tuple,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
+
+from lmserve.config import EngineConfig
+from lmserve.protocol import ChatCompletionRequest, InvalidRequestError
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+# Where the type alone says too little about what the flag takes.
+_FIELD_METAVARS = {"model": "PATH", "model_lib": "PATH", "opt": "LEVEL[;KNOB=VALUE...]"}
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _field_docs() -> dict[str, str]:
+    """Field name -> its description in the "Fields:" section of EngineConfig's docstring."""
+    docs: dict[str, str] = {}
+    name = None
+    in_fields = False
+    for line in inspect.cleandoc(EngineConfig.__doc__ or "").splitlines():
+        if line.strip() == "Fields:":
+            in_fields = True
+        elif in_fields and (m := re.match(r"    (\w+): (.*)", line)):
+            name = m.group(1)
+            docs[name] = m.group(2)
+        elif in_fields and name and line.startswith("        "):
+            docs[name] += " " + line.strip()
+    return docs
+
+
+def _model_spec(text: str) -> Union[str, tuple[str, str]]:
+    """``PATH`` or ``PATH,MODEL_LIB``: one entry of ``additional_models``."""
+    path, sep, lib = text.partition(",")
+    return (path, lib) if sep else path
+
+
+def _flag_kwargs(name: str, hint: Any) -> dict[str, Any]:
+    """``add_argument`` keywords for a field with this annotation.
+
+    Raises ``TypeError`` for an annotation it does not know, so a new kind of field fails when
+    the parser is built instead of being silently left off the command line.
+    """
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Union and type(None) in args:
+        # Optional[X]: the flag takes an X; leaving it out keeps the default (None).
+        (inner,) = (a for a in args if a is not type(None))
+        return _flag_kwargs(name, inner)
+    if hint is bool:
+        return dict(action=argparse.BooleanOptionalAction)
+    if origin is Literal:
+        return dict(type=type(args[0]), choices=list(args))
+    if hint in _METAVARS:
+        return dict(type=hint, metavar=_FIELD_METAVARS.get(name, _METAVARS[hint]))
+    if origin is list and args[0] == Union[str, Tuple[str, str]]:
+        # Both "--x a b" and "--x a --x b" add to the list.
+        return dict(type=_model_spec, action="extend", nargs="+", metavar="PATH[,MODEL_LIB]")
+    raise TypeError(f"EngineConfig.{name}: no command-line flag for annotation {hint!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser,
+                    defaults: Optional[Mapping[str, Any]] = None) -> None:
+    """Add one flag per ``EngineConfig`` field to ``parser``, in an "engine" group.
+
+    ``--max-num-sequence`` sets ``max_num_sequence`` and so on; booleans get ``--x/--no-x``,
+    and ``--additional-models`` may be repeated. A flag left out keeps the field's default, or
+    the one ``defaults`` gives for it (a subcommand's own choice, e.g. a quiet chat). Values are
+    only type-checked here; ``engine_config_from_args`` runs EngineConfig's own checks.
+    """
+    defaults = defaults or {}
+    unknown = set(defaults) - {f.name for f in dataclasses.fields(EngineConfig)}
+    if unknown:
+        raise ValueError(f"defaults for unknown EngineConfig fields: {', '.join(sorted(unknown))}")
+    group = parser.add_argument_group("engine", "how the engine is set up (EngineConfig)")
+    hints = get_type_hints(EngineConfig)
+    docs = _field_docs()
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in defaults:
+            default = defaults[field.name]
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            default = field.default
+        # The field docs already say what None means.
+        shown = "" if default is None else f" (default: {default!r})"
+        group.add_argument(_flag(field.name), dest=field.name, default=default,
+                           help=(docs.get(field.name, "") + shown).strip(),
+                           **_flag_kwargs(field.name, hints[field.name]))
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` the flags of ``add_engine_args`` describe.
+
+    Raises ``ValueError`` when EngineConfig refuses the values; the message starts with
+    ``argument --flag:`` for the flag at fault, as argparse's own errors do, so a caller can
+    hand it to ``parser.error``.
+    """
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    try:
+        return EngineConfig(**values)
+    except (TypeError, ValueError) as err:
+        # EngineConfig's messages start with the field at fault ("max_num_sequence must be..",
+        # "opt: unknown level..", "attention_sink_size=3 needs..").
+        first_word = re.match(r"\w*", str(err)).group()
+        where = f"argument {_flag(first_word)}: " if first_word in values else ""
+        raise ValueError(f"{where}{err}") from err
+
+
+def _sampling_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The chat's sampling flags as request fields, checked now so that a bad value is
+    reported before the model spends seconds loading."""
+    options = {name: value for name, value in (
+        ("temperature", args.temperature), ("top_p", args.top_p),
+        ("max_tokens", args.max_tokens), ("seed", args.seed)) if value is not None}
+    probe = {"messages": [{"role": "user", "content": "probe"}], **options}
+    try:
+        ChatCompletionRequest.parse(probe).to_sampling_params(None)
+    except InvalidRequestError as err:
+        where = f"argument {_flag(err.param)}: " if err.param in options else ""
+        parser.error(f"{where}{err.message}")
+    return options
+
+
+def _run_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    # Imported here: it pulls in torch, which `lmserve --help` should not wait for.
+    from lmserve.chat_cli import run_chat
+    from lmserve.engine.engine import Engine
+
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as err:
+        parser.error(str(err))
+    options = _sampling_options(args, parser)
+    print(f"loading {config.model or 'the built-in model'}...", file=sys.stderr, flush=True)
+    try:
+        engine = Engine(config=config)
+    except (NotImplementedError, OSError, ValueError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    try:
+        return run_chat(engine, system=args.system, options=options)
+    finally:
+        engine.shutdown()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lmserve`` parser with all its subcommands; each sets ``handler(args, parser)``."""
+    parser = argparse.ArgumentParser(prog="lmserve", description="lmserve: an LLM serving engine.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    chat = commands.add_parser("chat", help="chat with a model in the terminal",
+                               description="Chat with a model in the terminal. Type /help in "
+                                           "the chat for its commands.")
+    sampling = chat.add_argument_group("sampling")
+    sampling.add_argument("--temperature", type=float, metavar="T",
+                          help="sampling temperature, 0 = greedy (default: 1.0)")
+    sampling.add_argument("--top-p", type=float, metavar="P",
+                          help="nucleus sampling: keep the top tokens of this probability mass "
+                               "(default: 1.0)")
+    sampling.add_argument("--max-tokens", type=int, metavar="N",
+                          help="most tokens per answer (default: what the context leaves)")
+    sampling.add_argument("--seed", type=int, metavar="S",
+                          help="random seed, for repeatable sampling (default: none)")
+    chat.add_argument("--system", metavar="TEXT",
+                      help="system prompt (default: the model's chat template decides)")
+    # The engine's log would interleave with the conversation, so chat is quiet unless asked.
+    add_engine_args(chat, defaults={"verbose": False})
+    chat.set_defaults(handler=_run_chat, parser=chat)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``lmserve`` command line; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    return args.handler(args, args.parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

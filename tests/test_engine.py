@@ -1,0 +1,196 @@
+"""Engine invariants: batch company, preemption, leaks, seeded sampling, stop strings, n, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import threading
+
+import pytest
+
+from conftest import wait_idle
+from lmserve import AsyncEngine, Engine, SamplingParams
+from prompts import CHAT_PROMPTS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def run_one(engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return [t for out in engine.generate(prompt, params) for d in out.deltas for t in d.token_ids]
+
+
+def run_together(engine, prompts, params, delays=None) -> list[list[int]]:
+    """Send every prompt from its own thread (optionally after a delay); collect each result."""
+    results: list = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def worker(i):
+        start.wait()
+        if delays:
+            threading.Event().wait(delays[i])
+        results[i] = run_one(engine, prompts[i], params)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(builtin_engine) -> list[list[int]]:
+    tok = builtin_engine.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def alone(builtin_engine, chat_prompts) -> list[list[int]]:
+    return [run_one(builtin_engine, p, GREEDY) for p in chat_prompts]
+
+
+def test_batch_company_does_not_change_greedy_output(builtin_engine, chat_prompts, alone):
+    assert run_together(builtin_engine, chat_prompts, GREEDY) == alone
+    # Staggered: later requests arrive while earlier ones are decoding (hybrid steps).
+    delays = [0.0, 0.05, 0.1, 0.3, 0.35, 0.6, 0.9]
+    assert run_together(builtin_engine, chat_prompts, GREEDY, delays) == alone
+    wait_idle(builtin_engine)
+    assert builtin_engine.kv_pages_in_use() == 0
+
+
+@pytest.mark.parametrize("prefill_mode", ["hybrid", "chunked"])
+def test_preemption_under_a_tiny_kv_budget_keeps_outputs_and_frees_pages(chat_prompts, alone,
+                                                                        prefill_mode):
+    # 10 pages of 16 tokens: the 7 prompts (about 40 tokens each, +24 new) cannot all fit.
+    engine = Engine(opt="O0", max_num_sequence=8, max_total_sequence_length=160,
+                    prefill_chunk_size=64, prefill_mode=prefill_mode, verbose=False)
+    try:
+        assert run_together(engine, chat_prompts, GREEDY) == alone
+        assert engine._core.scheduler.num_preemptions > 0
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
+def test_no_page_leaks_after_many_finished_and_aborted_requests(tiny_model_dir):
+    engine = AsyncEngine(tiny_model_dir, max_num_sequence=16, max_total_sequence_length=1024,
+                         prefill_chunk_size=128, kv_cache_page_size=8, verbose=False)
+    rng = random.Random(0)
+    vocab = engine.tokenizer.vocab_size
+
+    async def one(i: int) -> int:
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
+        params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 30),
+                                n=rng.choice([1, 1, 2]), seed=i)
+        abort_after = rng.choice([None, None, 0, 1, 3])
+        await asyncio.sleep(rng.random() * 0.2)
+        seen = 0
+        async for _ in engine.generate(prompt, params):
+            seen += 1
+            if abort_after is not None and seen > abort_after:
+                break  # leaving the iterator aborts the request
+        return seen
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(220)))
+
+    try:
+        counts = asyncio.run(main())
+        assert len(counts) == 220 and all(c >= 1 for c in counts)
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+        assert not engine._core.requests
+    finally:
+        engine.shutdown()
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(builtin_engine, chat_prompts):
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, seed=1234, ignore_eos=True)
+    first = run_one(builtin_engine, chat_prompts[1], params)
+    assert run_one(builtin_engine, chat_prompts[1], params) == first
+    others = SamplingParams(temperature=0.9, max_tokens=20, ignore_eos=True)
+    company = [chat_prompts[1]] + chat_prompts[2:6]
+    results: list = [None] * len(company)
+
+    def worker(i):
+        results[i] = run_one(builtin_engine, company[i], params if i == 0 else others)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(company))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results[0] == first
+    # A different seed gives a different continuation (the seed is really used).
+    params.seed = 4321
+    assert run_one(builtin_engine, chat_prompts[1], params) != first
+
+
+def test_stop_string_across_token_boundaries_never_leaks(builtin_engine, chat_prompts):
+    prompt = chat_prompts[6]
+    full = "".join(
+        d.text for o in builtin_engine.generate(prompt, GREEDY) for d in o.deltas
+    )
+    # A stop string that starts inside one token and ends inside a later one.
+    stop = full[9:17]
+    assert len(stop.strip()) >= 4
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    deltas = [d for o in builtin_engine.generate(prompt, params) for d in o.deltas]
+    text = "".join(d.text for d in deltas)
+    assert text == full[: full.index(stop)]
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
+    for d in deltas:  # no delta carries any part of the stop string beyond the cut
+        assert stop not in d.text
+
+
+def test_stop_token_ids_and_max_tokens_finish_reasons(builtin_engine, chat_prompts, alone):
+    stop_tok = alone[0][5]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_tok])
+    deltas = [d for o in builtin_engine.generate(chat_prompts[0], params) for d in o.deltas]
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert tokens == alone[0][: alone[0].index(stop_tok) + 1]
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop_tok
+    deltas = [d for o in builtin_engine.generate(chat_prompts[0], GREEDY) for d in o.deltas]
+    assert deltas[-1].finish_reason == "length" and len(deltas) == 24
+
+
+def test_n_choices_are_independent_and_seeded(builtin_engine, chat_prompts):
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    outs = list(builtin_engine.generate(chat_prompts[3], params))
+    by_choice: dict[int, list[int]] = {}
+    for o in outs:
+        for d in o.deltas:
+            by_choice.setdefault(d.index, []).extend(d.token_ids)
+    assert sorted(by_choice) == [0, 1, 2]
+    assert all(len(t) == 12 for t in by_choice.values())
+    assert len({tuple(t) for t in by_choice.values()}) == 3
+    again = list(builtin_engine.generate(chat_prompts[3], params))
+    again_choice: dict[int, list[int]] = {}
+    for o in again:
+        for d in o.deltas:
+            again_choice.setdefault(d.index, []).extend(d.token_ids)
+    assert again_choice == by_choice
+
+
+def test_logprobs_are_a_distribution(builtin_engine, chat_prompts):
+    params = SamplingParams(temperature=0.7, max_tokens=10, seed=3, logprobs=20, ignore_eos=True)
+    lps = [lp for o in builtin_engine.generate(chat_prompts[2], params) for d in o.deltas
+           for lp in d.logprobs]
+    assert len(lps) == 10
+    for lp in lps:
+        vals = [v for _, v in lp.top]
+        assert vals == sorted(vals, reverse=True) and len(vals) == 20
+        assert all(v <= 0 for v in vals)
+        assert 0.5 < sum(math.exp(v) for v in vals) <= 1.0 + 1e-4
+        assert lp.logprob <= vals[0] + 1e-6
+        if lp.token_id in dict(lp.top):
+            assert abs(dict(lp.top)[lp.token_id] - lp.logprob) < 1e-6
+
+
+def test_prompt_over_the_limit_is_refused_with_both_numbers(builtin_engine):
+    limit = builtin_engine.max_model_len
+    with pytest.raises(ValueError, match=rf"{limit + 5} tokens.*at most {limit} tokens"):
+        next(builtin_engine.generate([1] * (limit + 5), GREEDY))
+    assert builtin_engine.is_idle()

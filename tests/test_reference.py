@@ -1,0 +1,62 @@
+"""Invariant 1: greedy output of the full-precision path equals Hugging Face transformers.
+
+Both sides load the same GGUF (the built-in SmolLM2-135M-Instruct, Q4_1) and dequantize it to
+float32, so the weights are identical and only the arithmetic differs.
+"""
+
+import pytest
+import torch
+
+from lmserve import SamplingParams
+from prompts import CHAT_PROMPTS, long_prompt
+
+NEW_TOKENS = 64
+# Float32 on both sides; summation order differs (fused projections, paged attention), which
+# moves log-probabilities by a few 1e-5. 1e-3 leaves margin without hiding a real bug, which
+# shifts them by 1e-1 or more.
+LOGPROB_TOL = 1e-3
+
+
+def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation (eos ignored) and its log-probs at each new position."""
+    ids = torch.tensor([prompt_ids])
+    out = model(ids, use_cache=True)
+    past, logits = out.past_key_values, out.logits[0, -1]
+    tokens, logprobs = [], []
+    for _ in range(n):
+        logprobs.append(torch.log_softmax(logits.float(), -1))
+        tokens.append(int(logits.argmax()))
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[0, -1]
+    return tokens, torch.stack(logprobs)
+
+
+@pytest.fixture(scope="module")
+def prompts(builtin_engine) -> list[list[int]]:
+    tok = builtin_engine.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    return chats + [tok.apply_chat_template([{"role": "user", "content": long_prompt()}])]
+
+
+def test_prompts_are_varied_and_one_is_long(prompts):
+    assert len(prompts) >= 8
+    assert max(len(p) for p in prompts) > 1000
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@torch.inference_mode()
+def test_greedy_tokens_and_logprobs_match_transformers(builtin_engine, hf_builtin, prompts):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
+    for prompt in prompts:
+        outs = list(builtin_engine.generate(prompt, params))
+        deltas = [d for o in outs for d in o.deltas]
+        tokens = [t for d in deltas for t in d.token_ids]
+        ref_tokens, ref_logprobs = hf_greedy(hf_builtin, prompt, NEW_TOKENS)
+        assert tokens == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
+        # Teacher-forced check of the distribution: every reported top-5 log-prob agrees.
+        lps = [lp for d in deltas for lp in d.logprobs]
+        for pos, lp in enumerate(lps):
+            assert abs(lp.logprob - ref_logprobs[pos, lp.token_id].item()) < LOGPROB_TOL
+            for tid, val in lp.top:
+                assert abs(val - ref_logprobs[pos, tid].item()) < LOGPROB_TOL
+            assert [t for t, _ in lp.top] == ref_logprobs[pos].topk(5).indices.tolist()
