@@ -27,7 +27,9 @@ from typing import (  # noqa: UP035  (Tuple: EngineConfig's spelling, which == m
     get_type_hints,
 )
 
+from lmserve.chat_cli import run_chat
 from lmserve.config import EngineConfig
+from lmserve.engine.engine import Engine
 from lmserve.protocol import ChatCompletionRequest, InvalidRequestError
 
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
@@ -142,16 +144,15 @@ def _sampling_options(args: argparse.Namespace, parser: argparse.ArgumentParser)
     try:
         ChatCompletionRequest.parse(probe).to_sampling_params(None)
     except InvalidRequestError as err:
-        where = f"argument {_flag(err.param)}: " if err.param in options else ""
-        parser.error(f"{where}{err.message}")
+        if err.param not in options:
+            parser.error(err.message)
+        # pydantic's messages already start with the field ("temperature: Input should be..").
+        message = err.message.removeprefix(f"{err.param}: ")
+        parser.error(f"argument {_flag(err.param)}: {message}")
     return options
 
 
 def _run_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    # Imported here: it pulls in torch, which `lmserve --help` should not wait for.
-    from lmserve.chat_cli import run_chat
-    from lmserve.engine.engine import Engine
-
     try:
         config = engine_config_from_args(args)
     except ValueError as err:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lmserve.config import EngineConfig
+from lmserve.config import EngineConfig, parse_opt
 
 # (field, does this value need an unbuilt feature?, the feature)
 _NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
@@ -31,6 +31,7 @@ _NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("spec_tree_width", lambda v: v != 1, "speculative decoding"),
     ("additional_models", lambda v: len(v) > 0, "additional models (speculative decoding)"),
     ("prefix_cache_max_num_recycling_seqs", lambda v: v is not None, "the prefix cache"),
+    ("opt", lambda v: parse_opt(v).compile, "compiled model forward (opt knob compile=1)"),
 )
 
 

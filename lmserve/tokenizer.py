@@ -87,7 +87,8 @@ class Tokenizer:
         """Render ``messages`` (and ``tools``) with the model's own chat template."""
         if not self._hf.chat_template:
             raise ValueError(
-                f"the tokenizer of {self._hf.name_or_path!r} has no chat template; send a plain completion prompt instead"
+                f"the tokenizer of {self._hf.name_or_path!r} has no chat template; "
+                "send a plain completion prompt instead"
             )
         return self._hf.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
@@ -112,6 +113,7 @@ class Tokenizer:
         except Exception:  # a template may reject this minimal chat; then only eos stops generation
             return []
         _, found, after = rendered.partition(_PROBE)
+        # Llama 2-style templates write "reply </s>": the space before the token is not part of it.
         ids = self.encode(after.lstrip(" "), add_special_tokens=False) if found else []
         added = self._hf.added_tokens_decoder
         if ids and ids[0] in added and added[ids[0]].special:

@@ -56,12 +56,12 @@ def test_flags_map_to_config_fields():
     (["--mode", "batch"], "argument --mode: invalid choice: 'batch'"),
     (["--gpu-memory-utilization", "x"], "argument --gpu-memory-utilization: invalid float value"),
     # Values only EngineConfig refuses are reported the same way.
-    (["--max-num-sequence", "0"], "argument --max-num-sequence: max_num_sequence must be a positive"),
+    (["--max-num-sequence", "0"], "argument --max-num-sequence: max_num_sequence must be"),
     (["--kv-cache-page-size", "12"], "argument --kv-cache-page-size: kv_cache_page_size must be"),
     (["--opt", "O9"], "argument --opt: opt: unknown level 'O9'"),
     (["--attention-sink-size", "4"], "argument --attention-sink-size: attention_sink_size=4 needs"),
     # Sampling flags are checked before the model loads.
-    (["--temperature", "3"], "argument --temperature:"),
+    (["--temperature", "3"], "argument --temperature: Input should be less than or equal to 2"),
     (["--top-p", "0"], "argument --top-p:"),
     (["--max-tokens", "0"], "argument --max-tokens:"),
 ])
@@ -104,7 +104,8 @@ class ScriptedEngine:
         yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content="ok"))])
         yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(content=text[2:]),
                                      finish_reason="stop")])
-        yield chunk([], Usage(prompt_tokens=10 * len(messages), completion_tokens=2, total_tokens=0))
+        yield chunk([], Usage(prompt_tokens=10 * len(messages), completion_tokens=2,
+                              total_tokens=10 * len(messages) + 2))
 
 
 def test_chat_sends_the_history_and_reset_keeps_the_system_prompt():
@@ -114,9 +115,10 @@ def test_chat_sends_the_history_and_reset_keeps_the_system_prompt():
                       stdin=io.StringIO("one\ntwo\n/reset\nthree\n"), out=out)
     assert status == 0
     sent = [messages for messages, _ in engine.requests]
-    assert sent[1] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one"},
+    system = {"role": "system", "content": "be brief"}
+    assert sent[1] == [system, {"role": "user", "content": "one"},
                        {"role": "assistant", "content": "ok 2"}, {"role": "user", "content": "two"}]
-    assert sent[2] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "three"}]
+    assert sent[2] == [system, {"role": "user", "content": "three"}]
     assert all(kwargs["temperature"] == 0.0 and kwargs["stream"] for _, kwargs in engine.requests)
     assert "You: one\nAssistant: ok 2\n" in out.getvalue()
 

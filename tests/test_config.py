@@ -215,19 +215,28 @@ def test_default_opt_is_level_o2():
     assert parse_opt(None) == parse_opt("") == parse_opt("O2") == OPT_LEVELS["O2"]
 
 
-@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
-def test_levels_are_full_precision_and_uncompiled_for_now(level):
-    assert parse_opt(level) == OptFlags("float32", "float32", False)
+@pytest.mark.parametrize(
+    "level, expected",
+    [
+        ("O0", OptFlags("float32", "float32", False)),
+        ("O1", OptFlags("bfloat16", "float32", False)),
+        ("O2", OptFlags("bfloat16", "bfloat16", False)),
+        ("O3", OptFlags("bfloat16", "bfloat16", False)),
+    ],
+)
+def test_levels(level, expected):
+    assert parse_opt(level) == expected
 
 
 @pytest.mark.parametrize(
     "opt, expected",
     [
-        ("weight_dtype=bfloat16;compile=0", OptFlags("bfloat16", "float32", False)),
-        ("kv_dtype=float16", OptFlags("float32", "float16", False)),
-        ("compile=1", OptFlags("float32", "float32", True)),
-        ("compile=true", OptFlags("float32", "float32", True)),
-        ("O2;kv_dtype=bfloat16", OptFlags("float32", "bfloat16", False)),
+        # Knobs without a level adjust the default level, O2.
+        ("weight_dtype=float32;compile=0", OptFlags("float32", "bfloat16", False)),
+        ("kv_dtype=float16", OptFlags("bfloat16", "float16", False)),
+        ("compile=1", OptFlags("bfloat16", "bfloat16", True)),
+        ("compile=true", OptFlags("bfloat16", "bfloat16", True)),
+        ("O2;kv_dtype=float32", OptFlags("bfloat16", "float32", False)),
         (" O0 ; weight_dtype = float16 ; ", OptFlags("float16", "float32", False)),
     ],
 )
@@ -298,6 +307,7 @@ UNBUILT = [
     ({"spec_tree_width": 2}, "spec_tree_width"),
     ({"additional_models": ["d"]}, "additional_models"),
     ({"prefix_cache_max_num_recycling_seqs": 0}, "prefix_cache_max_num_recycling_seqs"),
+    ({"opt": "O1;compile=1"}, "opt"),
 ]
 
 

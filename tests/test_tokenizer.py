@@ -102,7 +102,8 @@ def test_special_tokens_in_decode(tok: Tokenizer) -> None:
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(tok: Tokenizer, reference_hf, messages, add_generation_prompt) -> None:
     expected_text = reference_hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-    expected_ids = reference_hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)["input_ids"]
+    expected_ids = reference_hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    expected_ids = expected_ids["input_ids"]
     assert tok.render_chat(messages, add_generation_prompt=add_generation_prompt) == expected_text
     assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected_ids
     if add_generation_prompt:
@@ -193,7 +194,8 @@ def _sentencepiece_tokenizer() -> Tokenizer:
     """A tiny Llama-2-style tokenizer: ▁ for spaces, byte fallback, leading space stripped on decode."""
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     pieces += ["▁", "▁Hello", "▁world", "Hello", "!", "▁the", "▁cat", ",", "a", "t", "c"]
-    model = models.Unigram([(piece, -1.0 if i > 258 else 0.0) for i, piece in enumerate(pieces)], unk_id=0, byte_fallback=True)
+    scores = [(piece, -1.0 if i > 258 else 0.0) for i, piece in enumerate(pieces)]
+    model = models.Unigram(scores, unk_id=0, byte_fallback=True)
     rust = RustTokenizer(model)
     rust.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     rust.decoder = decoders.Sequence(

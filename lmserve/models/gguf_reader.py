@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from lmserve.models.args import ModelArgs
@@ -56,15 +56,8 @@ def read_gguf_args(path: str) -> ModelArgs:
     reader = open_gguf(path)
     gguf_arch = _get(reader, "general.architecture")
     arch = _architecture(gguf_arch, path)
-
-    def required(key: str) -> Any:
-        value = _get(reader, f"{gguf_arch}.{key}")
-        if value is None:
-            raise ValueError(f"GGUF file {path} lacks the metadata key '{gguf_arch}.{key}'")
-        return value
-
-    hidden = int(required("embedding_length"))
-    num_heads = int(required("attention.head_count"))
+    hidden = int(_required(reader, f"{gguf_arch}.embedding_length", path))
+    num_heads = int(_required(reader, f"{gguf_arch}.attention.head_count", path))
     tensors = {t.name: t for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
@@ -75,7 +68,7 @@ def read_gguf_args(path: str) -> ModelArgs:
     head_dim = int(_get(reader, f"{gguf_arch}.attention.key_length", hidden // num_heads))
     rope_scaling = _rope_scaling_from_metadata(reader, gguf_arch)
     if rope_scaling is None and _ROPE_FREQS in tensors:
-        divisors = _to_torch(tensors[_ROPE_FREQS]).double()
+        divisors = _to_torch(tensors[_ROPE_FREQS], path).double()
         rope_scaling = _llama3_scaling_from_divisors(divisors, rope_theta, head_dim, path)
     eos_ids: list[int] = []
     # eot/eom are Llama 3's end-of-turn tokens; generation must stop on them too.
@@ -89,8 +82,8 @@ def read_gguf_args(path: str) -> ModelArgs:
         architecture=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(required("feed_forward_length")),
-        num_layers=int(required("block_count")),
+        intermediate_size=int(_required(reader, f"{gguf_arch}.feed_forward_length", path)),
+        num_layers=int(_required(reader, f"{gguf_arch}.block_count", path)),
         num_heads=num_heads,
         num_kv_heads=int(_get(reader, f"{gguf_arch}.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
@@ -115,7 +108,7 @@ def read_gguf_weights(path: str) -> dict[str, torch.Tensor]:
     reader = open_gguf(path)
     gguf_arch = _get(reader, "general.architecture")
     arch = _architecture(gguf_arch, path)
-    num_heads = int(_get(reader, f"{gguf_arch}.attention.head_count"))
+    num_heads = int(_required(reader, f"{gguf_arch}.attention.head_count", path))
     num_kv_heads = int(_get(reader, f"{gguf_arch}.attention.head_count_kv", num_heads))
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
@@ -123,7 +116,9 @@ def read_gguf_weights(path: str) -> dict[str, torch.Tensor]:
             continue
         hf_name = _hf_name(tensor.name)
         if hf_name is None:
-            raise ValueError(f"GGUF file {path} has tensor '{tensor.name}', which lmserve does not know for arch '{gguf_arch}'")
+            raise ValueError(
+                f"GGUF file {path} has tensor '{tensor.name}', which lmserve does not know for arch '{gguf_arch}'"
+            )
         value = _to_torch(tensor, path)
         if arch in _ROPE_PERMUTED:
             if ".attn_q." in tensor.name:
@@ -152,12 +147,15 @@ class _PlainArrayReader(GGUFReader):
 
 @functools.lru_cache(maxsize=2)
 def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFReader:
-    return _PlainArrayReader(path)
+    try:
+        return _PlainArrayReader(path)
+    except ValueError as e:  # bad magic, unknown version, empty file
+        raise ValueError(f"{path} is not a GGUF file lmserve can read: {e}") from e
 
 
 def open_gguf(path: str) -> GGUFReader:
-    """Open (memory-map) a GGUF file, reusing the last two readers: parsing the tokenizer
-    arrays takes seconds, and a model's args, weights and tokenizer are read one after the other."""
+    """Open (memory-map) a GGUF file, reusing the last two readers: parsing the tokenizer arrays
+    takes about a second, and a model's args, weights and tokenizer are read one after the other."""
     path = os.path.abspath(path)
     stat = os.stat(path)
     return _open_cached(path, stat.st_size, stat.st_mtime_ns)
@@ -166,6 +164,13 @@ def open_gguf(path: str) -> GGUFReader:
 def _get(reader: GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+def _required(reader: GGUFReader, key: str, path: str) -> Any:
+    value = _get(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF file {path} lacks the metadata key '{key}'")
+    return value
 
 
 def _get_float(reader: GGUFReader, key: str, default: Optional[float] = None) -> Optional[float]:
@@ -194,12 +199,12 @@ def _hf_name(gguf_name: str) -> Optional[str]:
     return None
 
 
-def _to_torch(tensor: Any, path: str = "") -> torch.Tensor:
+def _to_torch(tensor: ReaderTensor, path: str) -> torch.Tensor:
     """Dequantize one GGUF tensor to a float32 torch tensor in PyTorch (row-major) shape."""
     qtype = tensor.tensor_type
     if qtype not in _SUPPORTED_TYPES:
         raise ValueError(
-            f"GGUF tensor '{tensor.name}' {('in ' + path) if path else ''} has type {qtype.name}, "
+            f"GGUF tensor '{tensor.name}' in {path} has type {qtype.name}, "
             f"which lmserve cannot dequantize (supported: {', '.join(sorted(t.name for t in _SUPPORTED_TYPES))})"
         )
     if qtype == _Q.F32:

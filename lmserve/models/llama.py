@@ -28,15 +28,18 @@ class ForwardContext:
     kv: KVCache
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 whatever the activation dtype, as the reference does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * xf).to(x.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm of the float32 residual stream, returned in the matmuls' dtype."""
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x).to(out_dtype)
 
 
 class LlamaLayer:
-    """One decoder block with fused q/k/v and gate/up projections."""
+    """One decoder block with fused q/k/v and gate/up projections.
+
+    The residual stream stays float32; matmul inputs and weights are in ``dtype`` (float32 on the
+    reference path, bfloat16 on the fast one), so rounding does not pile up over the layers.
+    """
 
     def __init__(self, args: ModelArgs, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype):
         def get(name: str) -> torch.Tensor:
@@ -48,18 +51,21 @@ class LlamaLayer:
         if args.attention_bias:
             self.qkv_bias = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"]).to(dtype)
         self.o = get(attn + "o_proj.weight").to(dtype)
+        o_bias = w.get(prefix + attn + "o_proj.bias")  # Llama configs with attention_bias=True
+        self.o_bias = None if o_bias is None else o_bias.to(dtype)
         self.gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).to(dtype)
         self.down = get("mlp.down_proj.weight").to(dtype)
         self.norm1 = get("input_layernorm.weight").float()
         self.norm2 = get("post_attention_layernorm.weight").float()
 
+        self.dtype = dtype
         self.eps = args.rms_norm_eps
         self.h, self.kvh, self.hd = args.num_heads, args.num_kv_heads, args.head_dim
         self.scale = self.hd**-0.5
 
     def __call__(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         T = x.shape[0]
-        qkv = F.linear(rms_norm(x, self.norm1, self.eps), self.qkv, self.qkv_bias)
+        qkv = F.linear(rms_norm(x, self.norm1, self.eps, self.dtype), self.qkv, self.qkv_bias)
         q, k, v = qkv.split([self.h * self.hd, self.kvh * self.hd, self.kvh * self.hd], dim=-1)
         q = apply_rotary(q.view(T, self.h, self.hd), ctx.cos, ctx.sin)  # (T, H, hd)
         k = apply_rotary(k.view(T, self.kvh, self.hd), ctx.cos, ctx.sin)  # (T, KVH, hd)
@@ -67,10 +73,11 @@ class LlamaLayer:
         attn = ctx.backend.forward(
             ctx.attn_meta, q, k, v, ctx.kv.k[layer], ctx.kv.v[layer], self.scale
         )  # (T, H, hd)
-        x = x + F.linear(attn.reshape(T, -1), self.o)
+        x = x + F.linear(attn.reshape(T, -1), self.o, self.o_bias).float()
 
-        gate, up = F.linear(rms_norm(x, self.norm2, self.eps), self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        h = rms_norm(x, self.norm2, self.eps, self.dtype)
+        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down).float()
 
 
 class LlamaModel:
@@ -94,10 +101,10 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states ``(T, D)`` after the final norm for the flat batch ``input_ids (T,)``."""
-        x = self.embed[input_ids]  # (T, D)
+        x = self.embed[input_ids].float()  # (T, D)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)
-        return rms_norm(x, self.norm, self.args.rms_norm_eps)
+        return rms_norm(x, self.norm, self.args.rms_norm_eps, self.dtype)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
