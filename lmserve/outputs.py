@@ -38,3 +38,19 @@ class RequestOutput:
     prompt_token_ids: list[int]
     deltas: list[SequenceDelta]
     finished: bool
+    # Set when the engine failed this request (and only it): the caller raises it.
+    error: Optional[BaseException] = None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's state and its counters since start."""
+
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    num_preemptions: int
+    prefill_tokens: int
+    decode_tokens: int
+    steps: int

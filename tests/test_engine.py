@@ -194,3 +194,61 @@ def test_prompt_over_the_limit_is_refused_with_both_numbers(builtin_engine):
     with pytest.raises(ValueError, match=rf"{limit + 5} tokens.*at most {limit} tokens"):
         next(builtin_engine.generate([1] * (limit + 5), GREEDY))
     assert builtin_engine.is_idle()
+
+
+def test_a_failure_in_one_request_fails_only_that_request(tiny_model_dir, monkeypatch):
+    engine = Engine(tiny_model_dir, max_num_sequence=4, verbose=False)
+    try:
+        processor = engine._core.outputs
+        real_append = processor.append
+
+        def flaky(seq, token_id, logprob):
+            if seq.request.request_id == "bad" and seq.num_output_tokens >= 2:
+                raise RuntimeError("injected fault")
+            return real_append(seq, token_id, logprob)
+
+        monkeypatch.setattr(processor, "append", flaky)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        results: dict = {}
+
+        def worker(rid):
+            try:
+                results[rid] = run_one_id(engine, [5, 6, 7, 8], params, rid)
+            except RuntimeError as exc:
+                results[rid] = exc
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in ("good1", "bad", "good2")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert isinstance(results["bad"], RuntimeError) and "injected" in str(results["bad"])
+        assert len(results["good1"]) == 8 and results["good1"] == results["good2"]
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+        assert len(run_one(engine, [1, 2, 3], params)) == 8  # still serving
+    finally:
+        engine.shutdown()
+
+
+def run_one_id(engine, prompt, params, request_id) -> list[int]:
+    return [t for out in engine.generate(prompt, params, request_id=request_id)
+            for d in out.deltas for t in d.token_ids]
+
+
+def test_verbose_logs_the_plan_once_and_periodic_stats(tiny_model_dir, caplog, monkeypatch):
+    import lmserve.engine.loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "STATS_INTERVAL_S", 0.0)
+    caplog.set_level("INFO", logger="lmserve")
+    engine = Engine(tiny_model_dir, max_num_sequence=3, verbose=True)
+    try:
+        run_one(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    text = caplog.text
+    assert text.count("max_num_sequence") == 1 and "prefill_chunk_size" in text
+    assert "running" in text and "KV pages" in text and "decode" in text and "tok/s" in text
+    quiet = Engine(tiny_model_dir, verbose=False)
+    quiet.shutdown()
+    assert caplog.text.count("max_num_sequence") == 1  # verbose=False logs nothing new

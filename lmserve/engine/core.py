@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -17,7 +17,7 @@ from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
 from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
 from lmserve.models.registry import model_class
-from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
+from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
 from lmserve.plan import make_plan
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.runner import ModelRunner
@@ -33,13 +33,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass
-class EngineStats:
-    """Counters since start; the periodic log line reports their rates."""
-
+class _Counters:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     steps: int = 0
-    started: float = field(default_factory=time.monotonic)
 
 
 class EngineCore:
@@ -71,7 +68,7 @@ class EngineCore:
                                   plan.max_single_sequence_length, self.device)
         self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
         self.requests: dict[str, Request] = {}
-        self.stats = EngineStats()
+        self.counters = _Counters()
         if config.verbose:
             logger.info("model %s (%s, %d layers)\n%s", path, a.architecture, a.num_layers,
                         plan.describe())
@@ -121,6 +118,20 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> EngineStats:
+        """A snapshot of queue sizes, KV use and counters (cheap; readable from any thread)."""
+        sched, c = self.scheduler, self.counters
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            kv_pages_used=self.pool.num_used,
+            kv_pages_total=self.pool.num_pages,
+            num_preemptions=sched.num_preemptions,
+            prefill_tokens=c.prefill_tokens,
+            decode_tokens=c.decode_tokens,
+            steps=c.steps,
+        )
+
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -158,29 +169,37 @@ class EngineCore:
     def _append(self, seqs: list[Sequence], result: Optional[SampleResult]) -> list[RequestOutput]:
         by_request: dict[str, RequestOutput] = {}
         for row, seq in enumerate(seqs):
-            token = int(result.token_ids[row])
-            delta = self.outputs.append(seq, token, _logprob(result, row, seq.request.params))
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
             req = seq.request
             out = by_request.setdefault(
                 req.request_id, RequestOutput(req.request_id, req.prompt_token_ids, [], False)
             )
+            if out.error is not None:
+                continue  # an earlier choice of this request already failed it
+            try:
+                token = int(result.token_ids[row])
+                delta = self.outputs.append(seq, token, _logprob(result, row, req.params))
+            except Exception as exc:  # fail this request only; the others go on
+                logger.exception("request %s failed while processing its output", req.request_id)
+                self.abort_request(req.request_id)
+                out.error, out.finished = exc, True
+                continue
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
             out.deltas.append(delta)
         for out in by_request.values():
-            req = self.requests[out.request_id]
-            out.finished = req.finished
-            if out.finished:
-                del self.requests[out.request_id]
+            if out.error is None:
+                out.finished = self.requests[out.request_id].finished
+                if out.finished:
+                    del self.requests[out.request_id]
         return list(by_request.values())
 
     def _count(self, batch: Batch) -> None:
         for c in batch.chunks:
             if c.samples and c.num_tokens == 1 and c.seq.num_output_tokens > 0:
-                self.stats.decode_tokens += 1
+                self.counters.decode_tokens += 1
             else:
-                self.stats.prefill_tokens += c.num_tokens
-        self.stats.steps += 1
+                self.counters.prefill_tokens += c.num_tokens
+        self.counters.steps += 1
 
 
 def _logprob(result: SampleResult, row: int, params: SamplingParams) -> Optional[TokenLogprob]:

@@ -14,7 +14,7 @@ from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
 from lmserve.engine.loop import EngineLoop
 from lmserve.engine.openai_api import Chat, Completions
-from lmserve.outputs import RequestOutput
+from lmserve.outputs import EngineStats, RequestOutput
 from lmserve.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -56,6 +56,10 @@ class EngineBase:
     @property
     def plan(self):
         return self._core.plan
+
+    def stats(self) -> EngineStats:
+        """Running and waiting requests, KV pages in use, preemptions, token counters."""
+        return self._core.stats()
 
     def kv_pages_in_use(self) -> int:
         """KV pages held by sequences (0 once every request is finished or aborted)."""

@@ -110,7 +110,7 @@ class EngineLoop:
     def _deliver(self, out: RequestOutput) -> None:
         sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
         if sink is not None:
-            sink(out)
+            sink(out.error if out.error is not None else out)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self.core.requests):
@@ -120,12 +120,12 @@ class EngineLoop:
         self._sinks.clear()
 
     def _log_stats(self, elapsed: float, logged: tuple[int, int]) -> tuple[int, int]:
-        st, sched, pool = self.core.stats, self.core.scheduler, self.core.pool
+        st = self.core.stats()
         prefill, decode = st.prefill_tokens - logged[0], st.decode_tokens - logged[1]
         logger.info(
             "running %d, waiting %d, KV pages %d/%d used, prefill %.1f tok/s, decode %.1f tok/s, "
             "preemptions %d",
-            len(sched.running), len(sched.waiting), pool.num_used, pool.num_pages,
-            prefill / elapsed, decode / elapsed, sched.num_preemptions,
+            st.num_running, st.num_waiting, st.kv_pages_used, st.kv_pages_total,
+            prefill / elapsed, decode / elapsed, st.num_preemptions,
         )
         return st.prefill_tokens, st.decode_tokens
