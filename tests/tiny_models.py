@@ -79,9 +79,9 @@ def random_model(
     settings.update(copy.deepcopy(config_overrides))  # transformers edits rope dicts in place
     config = config_cls(**settings)
     generator = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        model = model_cls(config)
-    model = model.to_empty(device="cpu")
+    # Built for real (not on the meta device): buffers such as the rotary frequencies must hold
+    # their computed values, or the in-memory model disagrees with a reloaded copy.
+    model = model_cls(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)

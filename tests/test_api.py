@@ -1,0 +1,110 @@
+"""The Python API on real engines: OpenAI-shaped chat/completions (sync and async), other models."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from lmserve import AsyncEngine, Engine, SamplingParams
+from tiny_models import make_gguf_llama, make_hf_llama
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+def test_chat_completion_stream_and_non_stream_agree(builtin_engine):
+    reply = builtin_engine.chat.completions.create(messages=MESSAGES, max_tokens=20, temperature=0)
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content and choice.finish_reason in ("stop", "length")
+    chunks = list(builtin_engine.chat.completions.create(
+        messages=MESSAGES, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage == reply.usage
+    assert reply.usage.completion_tokens <= 20
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_completion_with_n_and_logprobs(builtin_engine):
+    reply = builtin_engine.completions.create(prompt="The capital of France is", max_tokens=5,
+                                              n=2, temperature=0.8, seed=11, logprobs=3)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in reply.choices)
+    for c in reply.choices:
+        assert len(c.logprobs.top_logprobs[0]) == 3
+    again = builtin_engine.completions.create(prompt="The capital of France is", max_tokens=5,
+                                              n=2, temperature=0.8, seed=11, logprobs=3)
+    assert [c.text for c in again.choices] == [c.text for c in reply.choices]
+
+
+def test_bad_request_is_refused_naming_the_field(builtin_engine):
+    with pytest.raises(ValueError, match="temperature"):
+        builtin_engine.chat.completions.create(messages=MESSAGES, temperature=-1)
+    with pytest.raises(ValueError, match="messages"):
+        builtin_engine.chat.completions.create(messages=[])
+
+
+def test_async_engine_serves_concurrent_requests(tiny_model_dir):
+    engine = AsyncEngine(tiny_model_dir, max_num_sequence=4, verbose=False)
+
+    async def one(i):
+        reply = await engine.chat.completions.create(
+            messages=[{"role": "user", "content": f"hello {i}"}], max_tokens=6, temperature=0,
+            ignore_eos=True)
+        return reply.usage.completion_tokens
+
+    async def streamed():
+        stream = await engine.completions.create(prompt="abc", max_tokens=5, stream=True,
+                                                 temperature=0, ignore_eos=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main():
+        counts = await asyncio.gather(*(one(i) for i in range(10)))
+        text = await streamed()
+        return counts, text
+
+    try:
+        counts, text = asyncio.run(main())
+        assert counts == [6] * 10
+        assert isinstance(text, str)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("form", ["hf_dir", "gguf_f32", "gguf_q8_0"])
+def test_other_llama_models_load_and_match_transformers(tmp_path, form):
+    """A random Llama as a Hugging Face directory and as GGUF files: greedy equals transformers.
+
+    For GGUF, transformers dequantizes the same file, so both sides hold identical weights.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, seed=5)
+    if form == "hf_dir":
+        path = make_hf_llama(str(tmp_path / "m"), **kwargs)
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    else:
+        qtype = {"gguf_f32": "F32", "gguf_q8_0": "Q8_0"}[form]
+        path = make_gguf_llama(str(tmp_path / "m.gguf"), qtype=qtype, **kwargs)
+        ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf",
+                                                   dtype=torch.float32)
+    engine = Engine(path, opt="O0", verbose=False)
+    try:
+        prompts = [[5, 17, 300, 4000], list(range(100, 160))]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for p in prompts:
+            got = [t for o in engine.generate(p, params) for d in o.deltas for t in d.token_ids]
+            assert got == _hf_greedy(ref.eval(), p, 12)
+    finally:
+        engine.shutdown()
