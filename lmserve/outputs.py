@@ -40,6 +40,9 @@ class RequestOutput:
     finished: bool
     # Set when the engine failed this request (and only it): the caller raises it.
     error: Optional[BaseException] = None
+    # time.monotonic() when the request first took part in a step (None before): the end of
+    # its time in the queue.
+    first_scheduled_time: Optional[float] = None
 
 
 @dataclass
@@ -54,3 +57,6 @@ class EngineStats:
     prefill_tokens: int
     decode_tokens: int
     steps: int
+    prefix_cache_pages: int  # pages the prefix cache holds (some may be shared with requests)
+    prefix_cache_queried_tokens: int  # prompt tokens of admitted requests looked up in the cache
+    prefix_cache_hit_tokens: int  # of which were found there and not computed again

@@ -28,6 +28,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list["Sequence"] = field(default_factory=list)
+    first_scheduled_time: Optional[float] = None  # time.monotonic() of its first step
 
     @property
     def finished(self) -> bool:

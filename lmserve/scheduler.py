@@ -8,6 +8,10 @@ preempted: its pages are freed and it waits at the head of the queue to be recom
 
 ``prefill_mode="hybrid"``: decode tokens and prefill chunks share one step (split-fuse), the
 step's tokens capped at ``prefill_chunk_size``. ``"chunked"``: a step is all prefill or all decode.
+
+With a prefix cache, an admitted sequence first takes the cached pages of its longest cached
+prefix and prefills only the rest; finished prefill chunks and finished sequences are offered to
+the cache; and when pages run short, the cache gives up unused prefixes before anyone is preempted.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lmserve.cache.pages import PagePool, pages_needed
+from lmserve.cache.radix import RadixCache
 from lmserve.request import Sequence, SeqStatus
 
 
@@ -50,6 +55,7 @@ class Scheduler:
         max_num_sequence: int,
         prefill_chunk_size: int,
         prefill_mode: str = "hybrid",
+        prefix_cache: Optional[RadixCache] = None,
     ) -> None:
         self.pool = pool
         self.page_size = page_size
@@ -58,7 +64,10 @@ class Scheduler:
         self.prefill_mode = prefill_mode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefix_cache = prefix_cache
         self.num_preemptions = 0
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of which found, and not computed again
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -80,18 +89,24 @@ class Scheduler:
         return Batch(chunks) if chunks else None
 
     def finish(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out of the queues and free its pages."""
+        """Take a finished or aborted sequence out of the queues, offer its KV to the prefix
+        cache, and free its pages."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        if self.prefix_cache is not None:
+            self.prefix_cache.recycle(seq.token_ids[: seq.num_computed], seq.pages)
         self._free_pages(seq)
         seq.status = SeqStatus.FINISHED
 
     def commit(self, batch: Batch) -> None:
-        """Record that the batch ran: its tokens now have KV in the cache."""
+        """Record that the batch ran: its tokens now have KV in the cache. Prefill chunks are
+        offered to the prefix cache right away, so requests arriving meanwhile can share them."""
         for c in batch.chunks:
             c.seq.num_computed += c.num_tokens
+            if self.prefix_cache is not None and c.num_tokens > 1:
+                self.prefix_cache.insert(c.seq.token_ids[: c.seq.num_computed], c.seq.pages)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -127,7 +142,7 @@ class Scheduler:
         Returns False when ``seq`` had to preempt itself (it was the newest one left).
         """
         need = pages_needed(seq.num_computed + n, self.page_size) - len(seq.pages)
-        while need > self.pool.num_free:
+        while self._make_room(need) < need:
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
@@ -140,10 +155,17 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_sequence:
             seq = self.waiting[0]
+            reused = self._reuse_prefix(seq)
             n = min(seq.num_pending, budget)
             need = pages_needed(seq.num_computed + n, self.page_size) - len(seq.pages)
-            if need > self.pool.num_free:
+            if self._make_room(need) < need:
+                if reused:  # give the shared prefix back; it is matched again next time
+                    self._free_pages(seq)
+                    seq.num_computed = 0
                 break  # first come, first served: nobody overtakes the head of the queue
+            if reused:
+                self.prefix_queried_tokens += len(seq.token_ids)
+                self.prefix_hit_tokens += seq.num_computed
             self.waiting.popleft()
             seq.pages += self.pool.alloc(need)
             seq.status = SeqStatus.RUNNING
@@ -151,6 +173,27 @@ class Scheduler:
             budget -= n
             chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending))
         return chunks
+
+    def _reuse_prefix(self, seq: Sequence) -> bool:
+        """Start a fresh sequence from the cached pages of its longest cached prefix; returns
+        whether the cache was consulted.
+
+        The last token is never matched: its forward pass gives the logits to sample from.
+        """
+        if self.prefix_cache is None or seq.num_computed or seq.pages:
+            return False
+        pages = self.prefix_cache.match(seq.token_ids[:-1])
+        self.pool.share(pages)
+        seq.pages = pages
+        seq.num_computed = len(pages) * self.page_size
+        return True
+
+    def _make_room(self, need: int) -> int:
+        """Evict unused cached prefixes until ``need`` pages are free, if the cache has them;
+        returns the pages free now."""
+        if self.prefix_cache is not None and need > self.pool.num_free:
+            self.prefix_cache.evict(need - self.pool.num_free)
+        return self.pool.num_free
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

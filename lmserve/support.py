@@ -2,10 +2,6 @@
 
 Each entry names a field, when its value asks for something missing, and what is missing.
 When a feature lands, delete its line here (and its case in tests/test_config.py).
-
-Not listed on purpose: ``prefix_cache_mode="radix"`` is the default, so refusing it would refuse
-every config. Until the radix prefix cache lands the engine simply runs without prefix reuse,
-which changes speed but never output.
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ _NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("spec_draft_length", lambda v: v != 0, "speculative decoding"),
     ("spec_tree_width", lambda v: v != 1, "speculative decoding"),
     ("additional_models", lambda v: len(v) > 0, "additional models (speculative decoding)"),
-    ("prefix_cache_max_num_recycling_seqs", lambda v: v is not None, "the prefix cache"),
     ("opt", lambda v: parse_opt(v).compile, "compiled model forward (opt knob compile=1)"),
 )
 

@@ -306,7 +306,6 @@ UNBUILT = [
     ({"spec_draft_length": 4}, "spec_draft_length"),
     ({"spec_tree_width": 2}, "spec_tree_width"),
     ({"additional_models": ["d"]}, "additional_models"),
-    ({"prefix_cache_max_num_recycling_seqs": 0}, "prefix_cache_max_num_recycling_seqs"),
     ({"opt": "O1;compile=1"}, "opt"),
 ]
 

@@ -13,12 +13,14 @@ import torch
 from lmserve.attention.base import create_backend
 from lmserve.cache.kv import KVCache
 from lmserve.cache.pages import PagePool
+from lmserve.cache.radix import RadixCache
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
 from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
 from lmserve.models.registry import model_class
 from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
 from lmserve.plan import make_plan
+from lmserve.protocol import InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.runner import ModelRunner
 from lmserve.sampler import SampleResult, SamplingBatch, sample
@@ -62,8 +64,9 @@ class EngineCore:
         kv = KVCache(a.num_layers, plan.num_pages, plan.page_size, a.num_kv_heads, a.head_dim,
                      _DTYPES[opt.kv_dtype], self.device)
         self.pool = PagePool(plan.num_pages)
+        self.prefix_cache = self._make_prefix_cache(config, plan)
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_sequence,
-                                   plan.prefill_chunk_size, config.prefill_mode)
+                                   plan.prefill_chunk_size, config.prefill_mode, self.prefix_cache)
         self.runner = ModelRunner(model, kv, create_backend("torch_native"),
                                   plan.max_single_sequence_length, self.device)
         self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
@@ -76,21 +79,29 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Refuse a request that can never run, before it is queued (safe from any thread)."""
+        """Refuse a request that can never run, before it is queued (safe from any thread).
+
+        Raises ``InvalidRequestError`` (a ``ValueError``), so that a server can tell the
+        caller's fault from a failure of the engine.
+        """
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
+            raise InvalidRequestError("the prompt is empty: at least one token is needed", "prompt")
         limit = self.plan.max_single_sequence_length
         if len(prompt_token_ids) >= limit:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens, but this engine allows at most "
                 f"{limit} tokens per sequence (prompt and output together), so at most "
-                f"{limit - 1} prompt tokens"
+                f"{limit - 1} prompt tokens", "prompt"
             )
         vocab = self.args.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
-        params.check_vocab(vocab)
+            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary (size {vocab})",
+                                      "prompt")
+        try:
+            params.check_vocab(vocab)
+        except ValueError as err:
+            raise InvalidRequestError(str(err)) from None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
@@ -118,18 +129,26 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def pages_held_by_requests(self) -> int:
+        """KV pages some request holds (pages only the prefix cache holds do not count)."""
+        cache_only = self.prefix_cache.evictable_pages() if self.prefix_cache else 0
+        return self.pool.num_used - cache_only
+
     def stats(self) -> EngineStats:
-        """A snapshot of queue sizes, KV use and counters (cheap; readable from any thread)."""
+        """A snapshot of queue sizes, KV use and counters (readable from any thread)."""
         sched, c = self.scheduler, self.counters
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
-            kv_pages_used=self.pool.num_used,
+            kv_pages_used=self.pages_held_by_requests(),
             kv_pages_total=self.pool.num_pages,
             num_preemptions=sched.num_preemptions,
             prefill_tokens=c.prefill_tokens,
             decode_tokens=c.decode_tokens,
             steps=c.steps,
+            prefix_cache_pages=self.prefix_cache.num_pages if self.prefix_cache else 0,
+            prefix_cache_queried_tokens=sched.prefix_queried_tokens,
+            prefix_cache_hit_tokens=sched.prefix_hit_tokens,
         )
 
     # -- the step ------------------------------------------------------------------------------
@@ -139,6 +158,10 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        now = time.monotonic()
+        for chunk in batch.chunks:
+            if chunk.seq.request.first_scheduled_time is None:
+                chunk.seq.request.first_scheduled_time = now
         logits = self.runner.execute(batch)
         self.scheduler.commit(batch)
         sampling = [c.seq for c in batch.chunks if c.samples]
@@ -147,6 +170,15 @@ class EngineCore:
         return self._append(sampling, result)
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _make_prefix_cache(self, config: EngineConfig, plan) -> Optional[RadixCache]:
+        """The radix prefix cache, unless disabled (mode "disable", or 0 recycled sequences)."""
+        limit = config.prefix_cache_max_num_recycling_seqs
+        if config.prefix_cache_mode == "disable" or limit == 0:
+            return None
+        if limit is None:
+            limit = plan.max_num_sequence
+        return RadixCache(self.pool, plan.page_size, max_recycled=None if limit == -1 else limit)
 
     @staticmethod
     def _generator(params: SamplingParams, index: int) -> Optional[torch.Generator]:
@@ -170,9 +202,9 @@ class EngineCore:
         by_request: dict[str, RequestOutput] = {}
         for row, seq in enumerate(seqs):
             req = seq.request
-            out = by_request.setdefault(
-                req.request_id, RequestOutput(req.request_id, req.prompt_token_ids, [], False)
-            )
+            out = by_request.setdefault(req.request_id, RequestOutput(
+                req.request_id, req.prompt_token_ids, [], False,
+                first_scheduled_time=req.first_scheduled_time))
             if out.error is not None:
                 continue  # an earlier choice of this request already failed it
             try:

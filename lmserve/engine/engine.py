@@ -62,8 +62,9 @@ class EngineBase:
         return self._core.stats()
 
     def kv_pages_in_use(self) -> int:
-        """KV pages held by sequences (0 once every request is finished or aborted)."""
-        return self._core.pool.num_used
+        """KV pages held by requests (0 once every request is finished or aborted; pages kept
+        only by the prefix cache do not count)."""
+        return self._core.pages_held_by_requests()
 
     def is_idle(self) -> bool:
         """True when no request is queued, running or waiting for its abort to be processed."""

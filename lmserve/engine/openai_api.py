@@ -451,8 +451,8 @@ def _sampling_params(request: GenerationRequest, prompt_len: int, max_model_len:
     return params
 
 
-def _template_message(message: Any) -> dict[str, Any]:
-    """An OpenAI message as chat templates expect it."""
+def template_message(message: Any) -> dict[str, Any]:
+    """An OpenAI message (a protocol model) as chat templates expect it (a plain dict)."""
     m = message.model_dump(exclude_none=True)
     if m["role"] == "developer":
         m["role"] = "system"  # OpenAI's newer name; templates only know "system"
@@ -466,7 +466,7 @@ def _prepare_chat(backend: _BackendBase, kwargs: dict[str, Any]) -> _Job:
     _check_model(request, backend)
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     try:
-        prompt = backend.tokenizer.apply_chat_template([_template_message(m) for m in request.messages],
+        prompt = backend.tokenizer.apply_chat_template([template_message(m) for m in request.messages],
                                                        add_generation_prompt=True, tools=tools)
     except (ValueError, jinja2.TemplateError) as err:  # no template, or it refuses these messages
         raise InvalidRequestError(f"cannot render the chat template: {err}", "messages") from None
@@ -597,13 +597,17 @@ async def _run_async(backend: AsyncBackend, job: _Job) -> Any:
     return job.builder.build()
 
 
+# The create methods take ``self`` positional-only, so that a request carrying a field named
+# "self" (an HTTP body passed on as keywords) is refused as an unknown field, not a TypeError.
+
+
 class ChatCompletions:
     """``engine.chat.completions``."""
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
 
-    def create(self, **kwargs: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
+    def create(self, /, **kwargs: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
         """Run a chat completion; keyword arguments are ``ChatCompletionRequest``'s fields.
 
         Returns a ``ChatCompletion``, or with ``stream=True`` an iterator of
@@ -619,7 +623,7 @@ class Completions:
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
 
-    def create(self, **kwargs: Any) -> Union[Completion, Iterator[Completion]]:
+    def create(self, /, **kwargs: Any) -> Union[Completion, Iterator[Completion]]:
         """Run a text completion; keyword arguments are ``CompletionRequest``'s fields.
 
         Returns a ``Completion``, or with ``stream=True`` an iterator of ``Completion`` chunks
@@ -642,7 +646,7 @@ class AsyncChatCompletions:
     def __init__(self, backend: AsyncBackend) -> None:
         self._backend = backend
 
-    async def create(self, **kwargs: Any) -> Union[ChatCompletion, AsyncIterator[ChatCompletionChunk]]:
+    async def create(self, /, **kwargs: Any) -> Union[ChatCompletion, AsyncIterator[ChatCompletionChunk]]:
         """As ``ChatCompletions.create``; a stream is an async iterator."""
         return await _run_async(self._backend, _prepare_chat(self._backend, kwargs))
 
@@ -653,7 +657,7 @@ class AsyncCompletions:
     def __init__(self, backend: AsyncBackend) -> None:
         self._backend = backend
 
-    async def create(self, **kwargs: Any) -> Union[Completion, AsyncIterator[Completion]]:
+    async def create(self, /, **kwargs: Any) -> Union[Completion, AsyncIterator[Completion]]:
         """As ``Completions.create``; a stream is an async iterator."""
         return await _run_async(self._backend, _prepare_completion(self._backend, kwargs))
 
