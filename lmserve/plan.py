@@ -1,17 +1,54 @@
-"""The engine plan: the concrete batch, KV and prefill sizes resolved from config and model."""
+"""The engine plan: batch, KV and prefill sizes resolved from the config, the model and memory.
+
+``mode`` decides what is not given explicitly: ``local`` (batch 4) and ``interactive`` (batch 1)
+keep KV for the context window; ``server`` takes the largest KV capacity the memory budget leaves.
+The budget is ``gpu_memory_utilization`` (default 0.85) times the device's memory (on CPU: the
+machine's RAM). From it come off the weights, the activation and logits workspace of one step at
+the chosen batch and chunk, and a margin for the runtime itself; what remains, divided by the KV
+bytes of one token, is the KV capacity. Every plan is checked against the budget, so an
+impossible one is refused at start with the numbers rather than failing later.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
+from typing import Optional
 
-from lmserve.config import EngineConfig
+from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.args import ModelArgs
 
-# Batch size per mode when max_num_sequence is not given. "server" is missing on purpose: it
-# sizes batch and KV from the memory budget, which is not built yet.
-_MODE_BATCH: dict[str, int] = {"local": 4, "interactive": 1}
 DEFAULT_MODE = "local"
+DEFAULT_MEMORY_UTILIZATION = 0.85
+_MODE_BATCH: dict[str, int] = {"local": 4, "interactive": 1}
+# Server mode: a batch beyond this buys no throughput on the devices we run on, and a chunk of
+# this size keeps a prefill step short enough for the decodes riding along with it.
+SERVER_BATCH = 128
+SERVER_CHUNK = 2048
+# Python, torch and the tokenizer themselves, plus allocator slack; the larger of the two.
+RUNTIME_MARGIN_BYTES = 768 << 20
+RUNTIME_MARGIN_FRACTION = 0.05
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where the memory budget goes, in bytes."""
+
+    device: int  # the device's memory (CPU: total RAM)
+    budget: int  # gpu_memory_utilization * device
+    weights: int
+    kv_per_token: int  # keys and values of one token over all layers
+    kv: int  # the whole KV pool
+    workspace: int  # activations, attention gathers and logits of the largest step
+    margin: int  # the runtime itself
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.workspace + self.margin
 
 
 @dataclass(frozen=True)
@@ -25,54 +62,131 @@ class EnginePlan:
     prefill_chunk_size: int  # most tokens in one prefill step
     page_size: int  # tokens per KV page
     num_pages: int  # pages in the KV pool
+    weight_dtype: str
+    kv_dtype: str
+    memory: MemoryPlan
 
     def describe(self) -> str:
-        """An aligned two-column table of the plan, for the start-up log."""
-        rows = [(f.name, str(getattr(self, f.name))) for f in dataclasses.fields(self)]
+        """An aligned two-column table of the plan, for the start-up log and ``lmserve plan``."""
+        rows = [(f.name, str(getattr(self, f.name))) for f in dataclasses.fields(self)
+                if f.name != "memory"]
+        m = self.memory
+        rows += [
+            ("weights", _gib(m.weights)),
+            ("kv_bytes_per_token", f"{m.kv_per_token:,}"),
+            ("kv_cache", _gib(m.kv)),
+            ("workspace", _gib(m.workspace)),
+            ("runtime_margin", _gib(m.margin)),
+            ("expected_memory", f"{_gib(m.total)} of a {_gib(m.budget)} budget "
+                                f"({_gib(m.device)} device)"),
+        ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def make_plan(config: EngineConfig, args: ModelArgs) -> EnginePlan:
-    """Resolve the config's limits against the model.
+def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int] = None) -> EnginePlan:
+    """Resolve the config's limits against the model and the memory budget.
 
-    Values given in the config always win; the rest come from the mode's preset and the model's
-    context window. Raises ``ValueError`` (with the numbers) when the result cannot work, and
-    ``NotImplementedError`` for mode "server".
+    Values given in the config always win. ``device_memory`` defaults to the machine's RAM.
+    Raises ``ValueError`` with the numbers when the plan cannot work.
     """
+    opt = parse_opt(config.opt)
     mode = config.mode or DEFAULT_MODE
-    if mode not in _MODE_BATCH:
-        raise NotImplementedError(f"mode={mode!r} (memory-based planning) is not implemented yet")
-    # The KV cache holds the full context window: sliding-window attention, which would let it
-    # hold less, is not built yet (check_supported refuses sliding_window_size).
+    device = device_memory if device_memory is not None else system_memory_bytes()
+    util = config.gpu_memory_utilization or DEFAULT_MEMORY_UTILIZATION
+    budget = int(util * device)
+    weights = weight_bytes(args, _DTYPE_BYTES[opt.weight_dtype])
+    kv_per_token = (2 * args.num_layers * args.num_kv_heads * args.head_dim
+                    * _DTYPE_BYTES[opt.kv_dtype])
+    margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
     context = args.context_length
-    batch = _given_or(config.max_num_sequence, _MODE_BATCH[mode])
-    total = _given_or(config.max_total_sequence_length, context)
-    single = _given_or(config.max_single_sequence_length, min(context, total))
-    chunk = _given_or(config.prefill_chunk_size, min(context, total))
-    if single > context:
-        raise ValueError(
-            f"max_single_sequence_length={single} exceeds the model's context window of "
-            f"{context} tokens"
-        )
-    # An explicit single length over an explicit total is refused by EngineConfig itself; an
-    # explicit chunk can still exceed the total inferred here.
-    if chunk > total:
-        raise ValueError(
-            f"prefill_chunk_size={chunk} exceeds max_total_sequence_length={total}: "
-            f"the KV cache could never hold one chunk"
-        )
+
+    if mode == "server":
+        batch = _given_or(config.max_num_sequence, SERVER_BATCH)
+        chunk = _given_or(config.prefill_chunk_size, min(context, SERVER_CHUNK))
+        single = _given_or(config.max_single_sequence_length, context)
+        workspace = workspace_bytes(args, batch, chunk, single, kv_per_token)
+        room = budget - weights - workspace - margin
+        # More KV than every sequence at full length could never be used.
+        total = _given_or(config.max_total_sequence_length,
+                          max(0, min(room // kv_per_token, batch * single)))
+    else:
+        batch = _given_or(config.max_num_sequence, _MODE_BATCH[mode])
+        total = _given_or(config.max_total_sequence_length, context)
+        single = _given_or(config.max_single_sequence_length, min(context, total))
+        chunk = _given_or(config.prefill_chunk_size, min(context, total))
+        workspace = workspace_bytes(args, batch, chunk, single, kv_per_token)
+
     page = config.kv_cache_page_size
-    return EnginePlan(
-        mode=mode,
-        max_num_sequence=batch,
-        max_total_sequence_length=total,
-        max_single_sequence_length=single,
-        prefill_chunk_size=chunk,
-        page_size=page,
-        num_pages=-(-total // page),  # ceil: the last page may be partly used
-    )
+    num_pages = -(-total // page)  # ceil: the last page may be partly used
+    memory = MemoryPlan(device, budget, weights, kv_per_token, num_pages * page * kv_per_token,
+                        workspace, margin)
+    _check(args, memory, total, single, chunk, util)
+    return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
+                      opt.weight_dtype, opt.kv_dtype, memory)
 
 
-def _given_or(given: int | None, inferred: int) -> int:
+def weight_bytes(args: ModelArgs, dtype_bytes: int) -> int:
+    """Bytes of the model's weights as the engine holds them (norms stay float32)."""
+    d, hd = args.hidden_size, args.head_dim
+    attn = d * (args.num_heads + 2 * args.num_kv_heads) * hd + args.num_heads * hd * d
+    mlp = 3 * d * args.intermediate_size
+    matrices = args.num_layers * (attn + mlp) + args.vocab_size * d * (1 if args.tie_word_embeddings else 2)
+    norms = (2 * args.num_layers + 1) * d
+    return matrices * dtype_bytes + norms * 4
+
+
+def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per_token: int) -> int:
+    """Peak bytes of one step's temporaries beyond the weights and the KV pool.
+
+    A step holds at most ``max(chunk, batch)`` tokens: their float32 activations (residual,
+    q/k/v, the gate/up product, with one spare copy each), the logits of up to ``batch`` rows with
+    the sampler's copies, and the float32 KV that decode attention gathers for one layer at a time
+    (at worst ``batch`` sequences padded to ``single`` tokens).
+    """
+    tokens = max(chunk, batch)
+    qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+    activations = 2 * tokens * (4 * args.hidden_size + qkv + 2 * args.intermediate_size) * 4
+    logits = 4 * batch * args.vocab_size * 4
+    per_layer_kv = kv_per_token // args.num_layers  # keys and values of one token, one layer
+    gather = 3 * batch * single * per_layer_kv  # the gathered pages plus their float32 copy
+    return activations + logits + gather
+
+
+def system_memory_bytes() -> int:
+    """Total RAM of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check(args: ModelArgs, m: MemoryPlan, total: int, single: int, chunk: int, util: float) -> None:
+    context = args.context_length
+    if single > context:
+        raise ValueError(f"max_single_sequence_length={single} exceeds the model's context window "
+                         f"of {context} tokens")
+    fixed = m.weights + m.workspace + m.margin
+    if fixed > m.budget:
+        raise ValueError(
+            f"the weights ({_gib(m.weights)}), one step's workspace ({_gib(m.workspace)}) and the "
+            f"runtime margin ({_gib(m.margin)}) need {_gib(fixed)}, over the memory budget of "
+            f"{_gib(m.budget)} ({util:g} of {_gib(m.device)}); raise gpu_memory_utilization or "
+            f"lower max_num_sequence / prefill_chunk_size / max_single_sequence_length")
+    if total < single:
+        raise ValueError(
+            f"the KV cache holds {total} tokens, fewer than one sequence of "
+            f"max_single_sequence_length={single} tokens ({m.kv_per_token:,} bytes a token, "
+            f"{_gib(m.budget - fixed)} left for KV)")
+    if chunk > total:
+        raise ValueError(f"prefill_chunk_size={chunk} exceeds max_total_sequence_length={total}: "
+                         f"the KV cache could never hold one chunk")
+    if m.total > m.budget:
+        raise ValueError(
+            f"this plan needs {_gib(m.total)} (KV cache {_gib(m.kv)} for {total} tokens), over the "
+            f"memory budget of {_gib(m.budget)} ({util:g} of {_gib(m.device)})")
+
+
+def _gib(n: int) -> str:
+    return f"{n / _GiB:.2f} GiB"
+
+
+def _given_or(given: Optional[int], inferred: int) -> int:
     return inferred if given is None else given

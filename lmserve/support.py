@@ -16,8 +16,6 @@ _NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model_lib", lambda v: v is not None, "ahead-of-time compiled model libraries"),
     ("tensor_parallel_shards", lambda v: v is not None and v > 1, "tensor parallelism"),
     ("pipeline_parallel_stages", lambda v: v is not None and v > 1, "pipeline parallelism"),
-    ("mode", lambda v: v == "server", "memory-based planning (mode 'server')"),
-    ("gpu_memory_utilization", lambda v: v is not None, "memory-based planning"),
     ("sliding_window_size", lambda v: v is not None, "sliding-window attention"),
     ("attention_sink_size", lambda v: v is not None, "attention sinks"),
     ("max_history_size", lambda v: v is not None, "recurrent-state rollback history"),

@@ -4,7 +4,15 @@ import pytest
 
 from lmserve.config import EngineConfig
 from lmserve.models.args import ModelArgs
-from lmserve.plan import EnginePlan, make_plan
+from lmserve.plan import (
+    RUNTIME_MARGIN_BYTES,
+    SERVER_BATCH,
+    make_plan,
+    weight_bytes,
+    workspace_bytes,
+)
+
+GiB = 1 << 30
 
 
 def _args(context_length: int = 2048) -> ModelArgs:
@@ -23,16 +31,11 @@ def _args(context_length: int = 2048) -> ModelArgs:
 
 @pytest.mark.parametrize("mode, batch", [(None, 4), ("local", 4), ("interactive", 1)])
 def test_mode_presets_use_the_context_window(mode, batch):
-    plan = make_plan(EngineConfig(mode=mode), _args(2048))
-    assert plan == EnginePlan(
-        mode=mode or "local",
-        max_num_sequence=batch,
-        max_total_sequence_length=2048,
-        max_single_sequence_length=2048,
-        prefill_chunk_size=2048,
-        page_size=16,
-        num_pages=128,
-    )
+    plan = make_plan(EngineConfig(mode=mode), _args(2048), device_memory=16 * GiB)
+    assert (plan.mode, plan.max_num_sequence) == (mode or "local", batch)
+    assert plan.max_total_sequence_length == plan.max_single_sequence_length == 2048
+    assert (plan.prefill_chunk_size, plan.page_size, plan.num_pages) == (2048, 16, 128)
+    assert (plan.weight_dtype, plan.kv_dtype) == ("bfloat16", "bfloat16")  # the default O2
 
 
 def test_explicit_values_win_over_the_preset():
@@ -79,14 +82,74 @@ def test_a_prefill_chunk_may_exceed_the_context_window_within_the_kv_capacity():
     assert make_plan(config, _args(512)).prefill_chunk_size == 1024
 
 
-def test_server_mode_is_not_planned_yet():
-    with pytest.raises(NotImplementedError, match="server"):
-        make_plan(EngineConfig(mode="server"), _args())
+def test_weight_and_kv_bytes_follow_the_model_and_opt():
+    args = _args()
+    # Per layer: q,k,v,o = 64*(4+2+2)*16 + 64*64 = 12288, mlp 3*64*128 = 24576; embed + head.
+    matrices = 2 * (12288 + 24576) + 2 * 256 * 64
+    assert weight_bytes(args, 2) == matrices * 2 + 5 * 64 * 4
+    f32 = make_plan(EngineConfig(opt="O0"), args, device_memory=16 * GiB).memory
+    bf16 = make_plan(EngineConfig(opt="O2"), args, device_memory=16 * GiB).memory
+    assert f32.kv_per_token == 2 * 2 * 2 * 16 * 4 == 2 * bf16.kv_per_token
+    assert f32.weights == weight_bytes(args, 4)
+
+
+def test_server_mode_fills_the_budget_with_kv():
+    args = _args(2048)
+    kv_per_token = 2 * 2 * 2 * 16 * 2
+    fixed = (weight_bytes(args, 2) + RUNTIME_MARGIN_BYTES
+             + workspace_bytes(args, SERVER_BATCH, 2048, 2048, kv_per_token))
+    device = 2 * (fixed + 100_000 * kv_per_token)  # leaves KV for ~100k tokens at utilization 0.5
+    plan = make_plan(EngineConfig(mode="server", gpu_memory_utilization=0.5), args,
+                     device_memory=device)
+    m = plan.memory
+    assert plan.max_num_sequence == SERVER_BATCH and plan.prefill_chunk_size == 2048
+    assert m.budget == device // 2 and m.margin == RUNTIME_MARGIN_BYTES
+    assert plan.max_total_sequence_length == 100_000
+    assert m.workspace == workspace_bytes(args, SERVER_BATCH, 2048, 2048, m.kv_per_token)
+    room = m.budget - m.weights - m.workspace - m.margin
+    assert plan.max_total_sequence_length == room // m.kv_per_token
+    assert m.total <= m.budget < m.total + 16 * m.kv_per_token  # within one page of the budget
+
+
+def test_server_kv_is_capped_at_every_sequence_full():
+    plan = make_plan(EngineConfig(mode="server", max_num_sequence=2), _args(512),
+                     device_memory=64 * GiB)
+    assert plan.max_total_sequence_length == 2 * 512
+
+
+def test_explicit_values_win_in_server_mode_too():
+    config = EngineConfig(mode="server", max_num_sequence=16, max_total_sequence_length=4096,
+                          prefill_chunk_size=256)
+    plan = make_plan(config, _args(2048), device_memory=8 * GiB)
+    assert (plan.max_num_sequence, plan.max_total_sequence_length, plan.prefill_chunk_size) == (
+        16, 4096, 256)
+
+
+def test_weights_over_the_budget_are_refused_with_the_numbers():
+    with pytest.raises(ValueError, match=r"need .* GiB, over the memory budget of 0.10 GiB"):
+        make_plan(EngineConfig(mode="server", gpu_memory_utilization=0.1), _args(),
+                  device_memory=1 * GiB)
+
+
+def test_a_plan_over_the_budget_is_refused():
+    config = EngineConfig(max_total_sequence_length=100_000_000, max_single_sequence_length=2048)
+    with pytest.raises(ValueError, match=r"KV cache .* for 100000000 tokens\), over the memory budget"):
+        make_plan(config, _args(2048), device_memory=4 * GiB)
+
+
+def test_server_kv_too_small_for_one_sequence_is_refused():
+    # Leaves room for a few hundred tokens only: less than one 2048-token sequence.
+    args = _args(2048)
+    fixed = (weight_bytes(args, 2) + RUNTIME_MARGIN_BYTES
+             + workspace_bytes(args, 1, 2048, 2048, 2 * 2 * 2 * 16 * 2))
+    device = int((fixed + 300 * 256) / 0.85) + 1
+    with pytest.raises(ValueError, match="fewer than one sequence of max_single_sequence_length=2048"):
+        make_plan(EngineConfig(mode="server", max_num_sequence=1), args, device_memory=device)
 
 
 def test_describe_is_an_aligned_table():
-    lines = make_plan(EngineConfig(), _args(2048)).describe().splitlines()
+    lines = make_plan(EngineConfig(), _args(2048), device_memory=16 * GiB).describe().splitlines()
     assert lines[0].split() == ["mode", "local"]
     assert ["num_pages", "128"] in [line.split() for line in lines]
-    assert len(lines) == 7
+    assert any(line.startswith("expected_memory") and "GiB budget" in line for line in lines)
     assert len({line.index(line.split()[1]) for line in lines}) == 1  # values in one column
