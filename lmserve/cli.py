@@ -2,6 +2,9 @@
 
 Subcommands:
     ``lmserve chat``: an interactive chat with a model in the terminal (see ``lmserve.chat_cli``).
+    ``lmserve serve``: an OpenAI-compatible HTTP server (see ``lmserve.server`` and docs/server.md).
+    ``lmserve bench``: a serving benchmark against such a server (see ``lmserve.bench``).
+    ``lmserve plan``: the engine's batch, KV and memory plan, without loading the weights.
 
 Every subcommand that starts an engine takes one flag per ``EngineConfig`` field, generated from
 the dataclass by ``add_engine_args`` and read back by ``engine_config_from_args``, so a new
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -21,17 +25,21 @@ from typing import (  # noqa: UP035  (Tuple: EngineConfig's spelling, which == m
     Literal,
     Optional,
     Tuple,
+    TypeVar,
     Union,
     get_args,
     get_origin,
     get_type_hints,
 )
 
+from lmserve.bench.cli import add_bench_parser
 from lmserve.chat_cli import run_chat
 from lmserve.config import EngineConfig
-from lmserve.engine.engine import Engine
+from lmserve.engine.engine import Engine, EngineBase
 from lmserve.protocol import ChatCompletionRequest, InvalidRequestError
+from lmserve.server.settings import ServerSettings
 
+_E = TypeVar("_E", bound=EngineBase)
 _METAVARS = {int: "N", float: "X", str: "TEXT"}
 # Where the type alone says too little about what the flag takes.
 _FIELD_METAVARS = {"model": "PATH", "model_lib": "PATH", "opt": "LEVEL[;KNOB=VALUE...]"}
@@ -152,32 +160,37 @@ def _sampling_options(args: argparse.Namespace, parser: argparse.ArgumentParser)
     return options
 
 
-def _run_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EngineConfig:
     try:
-        config = engine_config_from_args(args)
+        return engine_config_from_args(args)
     except ValueError as err:
         parser.error(str(err))
-    options = _sampling_options(args, parser)
+
+
+def _load(engine_class: type[_E], config: EngineConfig, parser: argparse.ArgumentParser) -> _E:
+    """Load the engine; a model or config it cannot serve ends the command (status 1)."""
     print(f"loading {config.model or 'the built-in model'}...", file=sys.stderr, flush=True)
     try:
-        engine = Engine(config=config)
+        return engine_class(config=config)
     except (NotImplementedError, OSError, ValueError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 1
+        raise SystemExit(1) from None
     except KeyboardInterrupt:
         print(file=sys.stderr)
-        return 130
+        raise SystemExit(130) from None
+
+
+def _run_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    config = _config(args, parser)
+    options = _sampling_options(args, parser)
+    engine = _load(Engine, config, parser)
     try:
         return run_chat(engine, system=args.system, options=options)
     finally:
         engine.shutdown()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``lmserve`` parser with all its subcommands; each sets ``handler(args, parser)``."""
-    parser = argparse.ArgumentParser(prog="lmserve", description="lmserve: an LLM serving engine.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_chat(commands: Any) -> None:
     chat = commands.add_parser("chat", help="chat with a model in the terminal",
                                description="Chat with a model in the terminal. Type /help in "
                                            "the chat for its commands.")
@@ -196,6 +209,100 @@ def build_parser() -> argparse.ArgumentParser:
     # The engine's log would interleave with the conversation, so chat is quiet unless asked.
     add_engine_args(chat, defaults={"verbose": False})
     chat.set_defaults(handler=_run_chat, parser=chat)
+
+
+def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    config = _config(args, parser)
+    try:
+        settings = ServerSettings(
+            host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+            max_waiting=args.max_waiting, served_model_name=args.served_model_name,
+            shutdown_grace=args.shutdown_grace)
+    except ValueError as err:
+        parser.error(str(err))
+    # FastAPI and uvicorn load only for this command.
+    from lmserve.engine.async_engine import AsyncEngine
+    from lmserve.server.run import serve
+
+    engine = _load(AsyncEngine, config, parser)
+    try:
+        serve(engine, settings, log_level=args.log_level)
+    except KeyboardInterrupt:  # a second Ctrl-C, which skips the drain
+        return 130
+    finally:
+        engine.shutdown()  # serve already did, unless it failed to start
+    return 0
+
+
+def _add_serve(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over OpenAI's HTTP API (/v1/chat/completions, /v1/completions, "
+                    "/v1/models), plus /tokenize, /detokenize, /health and /metrics. SIGTERM or "
+                    "Ctrl-C drains the server: new requests get 503 while running ones finish.")
+    d = ServerSettings()
+    http = serve.add_argument_group("server")
+    http.add_argument("--host", default=d.host,
+                      help="address to listen on; 0.0.0.0 exposes the server to the network, which "
+                           "has no TLS (default: %(default)s)")
+    http.add_argument("--port", type=int, default=d.port, help="TCP port (default: %(default)s)")
+    http.add_argument("--api-key", metavar="KEY", default=os.environ.get("LMSERVE_API_KEY") or None,
+                      help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                           "(default: $LMSERVE_API_KEY, which keeps the key out of the process list; "
+                           "unset: no key)")
+    http.add_argument("--max-body-bytes", type=int, metavar="N", default=d.max_body_bytes,
+                      help="larger request bodies get 413 (default: %(default)s)")
+    http.add_argument("--max-waiting", type=int, metavar="N", default=d.max_waiting,
+                      help="generation requests in flight before new ones get 429 (default: %(default)s)")
+    http.add_argument("--served-model-name", metavar="NAME",
+                      help="the model name clients send and see (default: the model's file or "
+                           "directory name)")
+    http.add_argument("--shutdown-grace", type=float, metavar="S", default=d.shutdown_grace,
+                      help="seconds running requests get to finish after SIGTERM (default: %(default)s)")
+    http.add_argument("--log-level", default="info",
+                      choices=["critical", "error", "warning", "info", "debug", "trace"],
+                      help="uvicorn's log level; 'warning' drops the access log (default: %(default)s)")
+    add_engine_args(serve)
+    serve.set_defaults(handler=_run_serve, parser=serve)
+
+
+def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    config = _config(args, parser)
+    # Reads the model's hyper-parameters only: no weights are loaded.
+    from lmserve.models.loader import read_model_args, resolve_model_path
+    from lmserve.plan import make_plan
+
+    try:
+        path = resolve_model_path(config.model)
+        model = read_model_args(path)
+        plan = make_plan(config, model)
+    except (OSError, ValueError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 1
+    print(f"model  {path} ({model.architecture}, {model.num_layers} layers, "
+          f"context {model.context_length})")
+    print(plan.describe())
+    return 0
+
+
+def _add_plan(commands: Any) -> None:
+    plan = commands.add_parser(
+        "plan", help="print the batch, KV cache and memory plan without loading the weights",
+        description="Print what the engine would use for this model and these flags: batch size, "
+                    "KV cache capacity, prefill chunk, weight and KV dtypes (from --opt), and the "
+                    "memory it expects against the budget. No weights are loaded.")
+    add_engine_args(plan)
+    plan.set_defaults(handler=_run_plan, parser=plan)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lmserve`` parser with all its subcommands; each sets ``handler(args, parser)``."""
+    parser = argparse.ArgumentParser(prog="lmserve", description="lmserve: an LLM serving engine.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_chat(commands)
+    _add_serve(commands)
+    _add_plan(commands)
+    add_bench_parser(commands)  # lmserve.bench owns its flags
     return parser
 
 

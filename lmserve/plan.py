@@ -107,9 +107,10 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         single = _given_or(config.max_single_sequence_length, context)
         workspace = workspace_bytes(args, batch, chunk, single, kv_per_token)
         room = budget - weights - workspace - margin
-        # More KV than every sequence at full length could never be used.
-        total = _given_or(config.max_total_sequence_length,
-                          max(0, min(room // kv_per_token, batch * single)))
+        # Whole pages only; more KV than every sequence at full length could never be used.
+        page_bytes = config.kv_cache_page_size * kv_per_token
+        fits = max(0, room // page_bytes) * config.kv_cache_page_size
+        total = _given_or(config.max_total_sequence_length, min(fits, batch * single))
     else:
         batch = _given_or(config.max_num_sequence, _MODE_BATCH[mode])
         total = _given_or(config.max_total_sequence_length, context)

@@ -98,16 +98,16 @@ def test_server_mode_fills_the_budget_with_kv():
     kv_per_token = 2 * 2 * 2 * 16 * 2
     fixed = (weight_bytes(args, 2) + RUNTIME_MARGIN_BYTES
              + workspace_bytes(args, SERVER_BATCH, 2048, 2048, kv_per_token))
-    device = 2 * (fixed + 100_000 * kv_per_token)  # leaves KV for ~100k tokens at utilization 0.5
+    device = 2 * (fixed + 100_008 * kv_per_token)  # KV for 100_008 tokens at utilization 0.5
     plan = make_plan(EngineConfig(mode="server", gpu_memory_utilization=0.5), args,
                      device_memory=device)
     m = plan.memory
     assert plan.max_num_sequence == SERVER_BATCH and plan.prefill_chunk_size == 2048
     assert m.budget == device // 2 and m.margin == RUNTIME_MARGIN_BYTES
-    assert plan.max_total_sequence_length == 100_000
+    assert plan.max_total_sequence_length == 100_000  # whole 16-token pages only
     assert m.workspace == workspace_bytes(args, SERVER_BATCH, 2048, 2048, m.kv_per_token)
     room = m.budget - m.weights - m.workspace - m.margin
-    assert plan.max_total_sequence_length == room // m.kv_per_token
+    assert room // m.kv_per_token == 100_008
     assert m.total <= m.budget < m.total + 16 * m.kv_per_token  # within one page of the budget
 
 
@@ -153,3 +153,26 @@ def test_describe_is_an_aligned_table():
     assert ["num_pages", "128"] in [line.split() for line in lines]
     assert any(line.startswith("expected_memory") and "GiB budget" in line for line in lines)
     assert len({line.index(line.split()[1]) for line in lines}) == 1  # values in one column
+
+
+def test_plan_command_prints_the_plan_without_loading_weights(capsys, monkeypatch):
+    from lmserve import cli
+    from lmserve.models import loader
+
+    def no_weights(*_):
+        raise AssertionError("lmserve plan must not load the weights")
+
+    monkeypatch.setattr(loader, "load_weights", no_weights)
+    assert cli.main(["plan", "--mode", "interactive", "--opt", "O0"]) == 0
+    out = capsys.readouterr().out
+    rows = dict(line.split(None, 1) for line in out.splitlines())
+    assert rows["mode"] == "interactive" and rows["max_num_sequence"] == "1"
+    assert rows["weight_dtype"] == "float32" and rows["kv_bytes_per_token"] == "46,080"
+    assert "budget" in rows["expected_memory"]
+
+
+def test_plan_command_reports_an_impossible_plan(capsys):
+    from lmserve import cli
+
+    assert cli.main(["plan", "--mode", "server", "--gpu-memory-utilization", "0.01"]) == 1
+    assert "over the memory budget" in capsys.readouterr().err

@@ -27,7 +27,10 @@ class AsyncEngine(EngineBase):
         outputs: asyncio.Queue = asyncio.Queue()
 
         def sink(out) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                pass
 
         self._loop.submit(request_id, prompt_token_ids, params, sink)
         finished = False

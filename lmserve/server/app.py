@@ -1,0 +1,30 @@
+"""``create_app``: the FastAPI application over one ``AsyncEngine``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fastapi import FastAPI
+
+from lmserve import __version__
+from lmserve.engine.async_engine import AsyncEngine
+from lmserve.server.errors import install_error_handlers
+from lmserve.server.routes import generate, models, ops, tokenize
+from lmserve.server.settings import ServerSettings
+from lmserve.server.state import ServerState
+
+
+def create_app(engine: AsyncEngine, settings: Optional[ServerSettings] = None) -> FastAPI:
+    """An app serving ``engine`` over OpenAI's HTTP API (routes: see docs/server.md).
+
+    The app never shuts the engine down: whoever made the engine owns it. Its shared state is
+    ``app.state.lmserve`` (a ``ServerState``).
+    """
+    # No generated docs: bodies are parsed by hand (to answer every error in OpenAI's shape),
+    # so FastAPI's schema would describe none of them.
+    app = FastAPI(title="lmserve", version=__version__, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.lmserve = ServerState.build(engine, settings or ServerSettings())
+    install_error_handlers(app)
+    for module in (generate, models, tokenize, ops):
+        app.include_router(module.router)
+    return app

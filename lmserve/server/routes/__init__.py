@@ -1,0 +1,16 @@
+"""The server's routes, one module per group; ``api_access`` guards the API ones."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from lmserve.server.auth import check_api_key
+from lmserve.server.state import server_state
+
+
+async def api_access(request: Request) -> None:
+    """Dependency of the API routes: 503 while the server drains, 401 without the right key."""
+    state = server_state(request)
+    state.gate.check_open()
+    if state.settings.api_key is not None:
+        check_api_key(request, state.settings.api_key)

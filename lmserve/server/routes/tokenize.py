@@ -1,0 +1,91 @@
+"""``POST /tokenize`` and ``POST /detokenize``, in vLLM's request and response shapes.
+
+``/tokenize`` takes a text ``prompt`` (tokenized as ``/v1/completions`` would, with the model's
+BOS unless ``add_special_tokens`` is false) or chat ``messages`` (rendered with the chat template
+as ``/v1/chat/completions`` would), and answers ``{count, max_model_len, tokens, token_strs}``.
+``/detokenize`` takes ``tokens`` and answers ``{prompt}``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional, Union
+
+import jinja2
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lmserve.engine.openai_api import template_message
+from lmserve.protocol import ChatMessageParam, ChatTool, InvalidRequestError
+from lmserve.server.body import read_json_object
+from lmserve.server.routes import api_access
+from lmserve.server.state import server_state
+
+router = APIRouter(dependencies=[Depends(api_access)])
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+
+
+class TokenizeTextRequest(_Strict):
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    tools: Optional[list[ChatTool]] = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+def _parse(model: type[_Strict], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        raise InvalidRequestError.from_validation_error(err) from None
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    """Token ids of a prompt or of a rendered chat."""
+    state = server_state(request)
+    body = await read_json_object(request, state.settings.max_body_bytes)
+    state.check_model(body.get("model"))
+    tokenizer = state.model.tokenizer
+    req: Union[TokenizeTextRequest, TokenizeChatRequest]
+    if "messages" in body:
+        req = _parse(TokenizeChatRequest, body)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            ids = tokenizer.apply_chat_template([template_message(m) for m in req.messages],
+                                                add_generation_prompt=req.add_generation_prompt, tools=tools)
+        except (ValueError, jinja2.TemplateError) as err:
+            raise InvalidRequestError(f"cannot render the chat template: {err}", "messages") from None
+    else:
+        req = _parse(TokenizeTextRequest, body)
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return {"count": len(ids), "max_model_len": state.model.max_model_len, "tokens": ids,
+            "token_strs": tokenizer.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    """The text of token ids."""
+    state = server_state(request)
+    body = await read_json_object(request, state.settings.max_body_bytes)
+    state.check_model(body.get("model"))
+    req = _parse(DetokenizeRequest, body)
+    tokenizer = state.model.tokenizer
+    bad = next((t for t in req.tokens if t >= tokenizer.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is outside the vocabulary (ids 0.."
+                                  f"{tokenizer.vocab_size - 1})", "tokens")
+    return {"prompt": tokenizer.decode(req.tokens)}

@@ -1,0 +1,71 @@
+"""``serve``: run the app on uvicorn until a signal, then drain it and stop."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from types import FrameType
+from typing import Optional
+
+import uvicorn
+
+from lmserve.engine.async_engine import AsyncEngine
+from lmserve.server.admission import AdmissionGate
+from lmserve.server.app import create_app
+from lmserve.server.settings import ServerSettings
+
+logger = logging.getLogger("lmserve")
+
+# After the drain, how long uvicorn lets open connections finish before cancelling them. The
+# engine has failed what still ran by then, so they end at once; this is only a backstop.
+_CLOSE_TIMEOUT_S = 1.0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain before its own graceful shutdown.
+
+    The first SIGTERM or SIGINT does not close the listening socket: new requests keep getting
+    an answer (503) while admitted ones run to their end, for up to the grace period. Then
+    the engine stops (failing what still runs) and uvicorn shuts down as usual. A second signal
+    skips the wait.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, gate: AdmissionGate,
+                 grace: float) -> None:
+        super().__init__(config)
+        self._engine = engine
+        self._gate = gate
+        self._grace = grace
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        if self._gate.draining:
+            super().handle_exit(sig, frame)
+            return
+        # Not uvicorn's handler: it would re-raise the signal at exit, and the process would
+        # die by it instead of exiting 0 after a clean drain.
+        logger.info("%s: draining %d request(s), for up to %g s; again to stop now",
+                    signal.Signals(sig).name, self._gate.in_flight, self._grace)
+        self._gate.start_draining(self._grace)
+
+    async def on_tick(self, counter: int) -> bool:
+        return await super().on_tick(counter) or self._gate.drained()
+
+    async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
+        # Stopping the engine first fails the requests still running past the grace period, so
+        # that they end properly (a 500, or a stream's error event and [DONE]) before uvicorn
+        # closes the connections; and the event loop is still there to take the last outputs.
+        self._engine.shutdown()
+        await super().shutdown(sockets)
+
+
+def serve(engine: AsyncEngine, settings: ServerSettings, log_level: str = "info") -> None:
+    """Serve ``engine`` at ``settings.host:settings.port`` until a signal has drained the server.
+
+    Returns normally after a drain, with the engine shut down. Exits with status 1 (uvicorn's
+    ``SystemExit``) when the address cannot be bound.
+    """
+    app = create_app(engine, settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+                            timeout_graceful_shutdown=_CLOSE_TIMEOUT_S)
+    _DrainingServer(config, engine, app.state.lmserve.gate, settings.shutdown_grace).run()

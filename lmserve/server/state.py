@@ -1,0 +1,52 @@
+"""What every route of one app shares: the engine, its facades, the gate, metrics and settings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from lmserve.engine.async_engine import AsyncEngine
+from lmserve.engine.openai_api import AsyncChat, AsyncCompletions
+from lmserve.server.admission import AdmissionGate
+from lmserve.server.backend import ServedModel
+from lmserve.server.errors import APIError
+from lmserve.server.metrics import ServerMetrics
+from lmserve.server.settings import ServerSettings
+
+
+@dataclass
+class ServerState:
+    """The app's shared objects (``app.state.lmserve``); the engine is reached through ``model``."""
+
+    settings: ServerSettings
+    metrics: ServerMetrics
+    model: ServedModel
+    chat: AsyncChat
+    completions: AsyncCompletions
+    gate: AdmissionGate
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def build(cls, engine: AsyncEngine, settings: ServerSettings) -> ServerState:
+        """The state of an app serving ``engine``."""
+        metrics = ServerMetrics(engine.stats)
+        model = ServedModel(engine, metrics, settings.served_model_name)
+        return cls(settings, metrics, model, AsyncChat(model), AsyncCompletions(model),
+                   AdmissionGate(settings.max_waiting))
+
+    def check_model(self, name: Any) -> None:
+        """Raise 404 for a request naming a model that is not served here (None: any is fine).
+
+        A ``model`` that is not even a string is left to the request's own validation (400).
+        """
+        if isinstance(name, str) and name != self.model.model_name:
+            raise APIError(404, f"The model `{name}` does not exist (this server serves "
+                                f"`{self.model.model_name}`)", "model", "model_not_found")
+
+
+def server_state(request: Request) -> ServerState:
+    """The state of the app serving ``request``."""
+    return request.app.state.lmserve

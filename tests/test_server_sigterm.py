@@ -1,0 +1,58 @@
+"""SIGTERM drains ``lmserve serve``: new requests get 503, a running stream completes, exit 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+
+import httpx
+
+from server_process import ServerProcess
+
+
+def data_events(stream: httpx.Response) -> Iterator[str]:
+    """The payloads of a server-sent event stream, as they come."""
+    return (line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: "))
+
+
+def test_sigterm_lets_the_running_stream_finish_then_exits_0(tiny_model_dir, tmp_path):
+    server = ServerProcess(["--model", tiny_model_dir, "--served-model-name", "tiny",
+                            "--shutdown-grace", "60"], str(tmp_path / "server.log")).start()
+    try:
+        body = {"model": "tiny", "prompt": "a long story", "max_tokens": 400, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.Client(base_url=server.base_url, timeout=60.0) as client, \
+                client.stream("POST", "/v1/completions", json=body) as stream:
+            events = data_events(stream)
+            seen = [next(events)]
+            server.signal(signal.SIGTERM)
+            # Draining: still listening, but nothing new is admitted.
+            with httpx.Client(base_url=server.base_url, timeout=10.0) as other:
+                refused = other.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+                health = other.get("/health")
+            seen += list(events)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+        assert health.status_code == 503
+        assert seen[-1] == "[DONE]"
+        assert json.loads(seen[-2])["usage"]["completion_tokens"] == 400
+        assert server.wait(timeout=30) == 0, server.log()
+    finally:
+        server.stop()
+
+
+def test_requests_past_the_grace_period_end_with_an_error_then_exit_0(tiny_model_dir, tmp_path):
+    server = ServerProcess(["--model", tiny_model_dir, "--shutdown-grace", "0.5"],
+                           str(tmp_path / "server.log")).start()
+    try:
+        body = {"prompt": "endless", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=server.base_url, timeout=60.0) as client, \
+                client.stream("POST", "/v1/completions", json=body) as stream:
+            events = data_events(stream)
+            seen = [next(events)]
+            server.signal(signal.SIGTERM)
+            seen += list(events)
+        assert seen[-1] == "[DONE]" and "shut down" in json.loads(seen[-2])["error"]["message"]
+        assert server.wait(timeout=20) == 0, server.log()
+    finally:
+        server.stop()
