@@ -44,8 +44,9 @@ def main() -> None:
     b = prompt_with_prefix(cached, args.prefix_tokens, "Summarise the first decade.")
     ttft(cached, a[:32])  # warm-up
     cold_a = ttft(cached, a)
+    before = cached.stats().prefix_cache_hit_tokens
     warm_b = ttft(cached, b)
-    hits = cached.stats().prefix_cache_hit_tokens
+    hits = cached.stats().prefix_cache_hit_tokens - before
     cached.shutdown()
 
     cold = Engine(opt=args.opt, verbose=False, prefix_cache_mode="disable")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -49,3 +50,29 @@ def wait_idle(engine: Engine, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("engine still busy after %.0f s" % timeout)
         time.sleep(0.01)
+
+
+def generate_tokens(engine: Engine, prompt: list[int], params, request_id=None) -> list[int]:
+    """Every token id one request generates (all choices, in arrival order)."""
+    return [t for out in engine.generate(prompt, params, request_id=request_id)
+            for d in out.deltas for t in d.token_ids]
+
+
+def run_concurrently(engine: Engine, prompts, params, delays=None) -> list[list[int]]:
+    """Send every prompt from its own thread, all released together (each after its optional
+    delay in seconds); return each request's tokens."""
+    results: list = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def worker(i):
+        start.wait()
+        if delays:
+            time.sleep(delays[i])
+        results[i] = generate_tokens(engine, prompts[i], params)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return results

@@ -9,34 +9,11 @@ import threading
 
 import pytest
 
-from conftest import wait_idle
+from conftest import generate_tokens as run_one, run_concurrently as run_together, wait_idle
 from lmserve import AsyncEngine, Engine, SamplingParams
 from prompts import CHAT_PROMPTS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def run_one(engine, prompt: list[int], params: SamplingParams) -> list[int]:
-    return [t for out in engine.generate(prompt, params) for d in out.deltas for t in d.token_ids]
-
-
-def run_together(engine, prompts, params, delays=None) -> list[list[int]]:
-    """Send every prompt from its own thread (optionally after a delay); collect each result."""
-    results: list = [None] * len(prompts)
-    start = threading.Barrier(len(prompts))
-
-    def worker(i):
-        start.wait()
-        if delays:
-            threading.Event().wait(delays[i])
-        results[i] = run_one(engine, prompts[i], params)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +190,7 @@ def test_a_failure_in_one_request_fails_only_that_request(tiny_model_dir, monkey
 
         def worker(rid):
             try:
-                results[rid] = run_one_id(engine, [5, 6, 7, 8], params, rid)
+                results[rid] = run_one(engine, [5, 6, 7, 8], params, rid)
             except RuntimeError as exc:
                 results[rid] = exc
 
@@ -229,11 +206,6 @@ def test_a_failure_in_one_request_fails_only_that_request(tiny_model_dir, monkey
         assert len(run_one(engine, [1, 2, 3], params)) == 8  # still serving
     finally:
         engine.shutdown()
-
-
-def run_one_id(engine, prompt, params, request_id) -> list[int]:
-    return [t for out in engine.generate(prompt, params, request_id=request_id)
-            for d in out.deltas for t in d.token_ids]
 
 
 def test_verbose_logs_the_plan_once_and_periodic_stats(tiny_model_dir, caplog, monkeypatch):

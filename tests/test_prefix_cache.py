@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import random
-import threading
 
-from conftest import wait_idle
+from conftest import generate_tokens as tokens_of, run_concurrently, wait_idle
 from lmserve import Engine, SamplingParams
 
 PAGE = 16
-
-
-def tokens_of(engine, prompt, params) -> list[int]:
-    return [t for o in engine.generate(prompt, params) for d in o.deltas for t in d.token_ids]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -51,20 +46,6 @@ def shared_prefix_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
     prefixes = [[rng.randrange(vocab) for _ in range(rng.randint(30, 150))] for _ in range(4)]
     return [rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(1, 20))]
             for _ in range(n)]
-
-
-def run_concurrently(engine, prompts, params) -> list[list[int]]:
-    results: list = [None] * len(prompts)
-
-    def worker(i):
-        results[i] = tokens_of(engine, prompts[i], params)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return results
 
 
 def test_outputs_are_identical_with_the_cache_on_and_off(tiny_model_dir):
