@@ -19,8 +19,9 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session")
 def builtin_engine():
-    """The built-in model on the full-precision path (opt O0), room for 8 sequences."""
-    engine = Engine(opt="O0", max_num_sequence=8, max_total_sequence_length=8192, verbose=False)
+    """The built-in model at the default opt level, room for 8 sequences: the invariants
+    (batch company, preemption, prefix cache) are checked on the path users get."""
+    engine = Engine(max_num_sequence=8, max_total_sequence_length=8192, verbose=False)
     yield engine
     engine.shutdown()
 

@@ -195,8 +195,8 @@ def test_default_opt_is_level_o2():
     "level, expected",
     [
         ("O0", OptFlags("float32", "float32", False)),
-        ("O1", OptFlags("bfloat16", "float32", False)),
-        ("O2", OptFlags("bfloat16", "bfloat16", False)),
+        ("O1", OptFlags("float32", "bfloat16", False)),
+        ("O2", OptFlags("float32", "bfloat16", False)),
         ("O3", OptFlags("bfloat16", "bfloat16", False)),
     ],
 )
@@ -208,11 +208,11 @@ def test_levels(level, expected):
     "opt, expected",
     [
         # Knobs without a level adjust the default level, O2.
-        ("weight_dtype=float32;compile=0", OptFlags("float32", "bfloat16", False)),
-        ("kv_dtype=float16", OptFlags("bfloat16", "float16", False)),
-        ("compile=1", OptFlags("bfloat16", "bfloat16", True)),
-        ("compile=true", OptFlags("bfloat16", "bfloat16", True)),
-        ("O2;kv_dtype=float32", OptFlags("bfloat16", "float32", False)),
+        ("weight_dtype=bfloat16;compile=0", OptFlags("bfloat16", "bfloat16", False)),
+        ("kv_dtype=float16", OptFlags("float32", "float16", False)),
+        ("compile=1", OptFlags("float32", "bfloat16", True)),
+        ("compile=true", OptFlags("float32", "bfloat16", True)),
+        ("O2;kv_dtype=float32", OptFlags("float32", "float32", False)),
         (" O0 ; weight_dtype = float16 ; ", OptFlags("float16", "float32", False)),
     ],
 )

@@ -40,7 +40,7 @@ def test_batch_company_does_not_change_greedy_output(builtin_engine, chat_prompt
 def test_preemption_under_a_tiny_kv_budget_keeps_outputs_and_frees_pages(chat_prompts, alone,
                                                                         prefill_mode):
     # 10 pages of 16 tokens: the 7 prompts (about 40 tokens each, +24 new) cannot all fit.
-    engine = Engine(opt="O0", max_num_sequence=8, max_total_sequence_length=160,
+    engine = Engine(max_num_sequence=8, max_total_sequence_length=160,
                     prefill_chunk_size=64, prefill_mode=prefill_mode, verbose=False)
     try:
         assert run_together(engine, chat_prompts, GREEDY) == alone

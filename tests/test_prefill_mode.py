@@ -14,7 +14,7 @@ def run_by_hand(model_dir: str, prefill_mode: str) -> tuple[dict[str, int], dict
     after step 1. Chunk of 16 tokens. Returns the step each request finished at, and its tokens."""
     core = EngineCore(EngineConfig(model=model_dir, prefill_chunk_size=16, max_num_sequence=4,
                                    prefill_mode=prefill_mode, prefix_cache_mode="disable",
-                                   opt="O0", verbose=False))
+                                   verbose=False))
     params = {"A": SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
               "B": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)}
     prompts = {"A": list(range(100, 110)), "B": list(range(200, 240))}

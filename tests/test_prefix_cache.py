@@ -50,7 +50,7 @@ def shared_prefix_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
 
 def test_outputs_are_identical_with_the_cache_on_and_off(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    common = dict(opt="O0", max_num_sequence=8, prefill_chunk_size=256, verbose=False)
+    common = dict(max_num_sequence=8, prefill_chunk_size=256, verbose=False)
     on = Engine(tiny_model_dir, **common)
     off = Engine(tiny_model_dir, prefix_cache_mode="disable", **common)
     try:
@@ -75,11 +75,15 @@ def test_builtin_model_outputs_are_identical_with_the_cache_on_and_off(builtin_e
                for q in ("Say hi.", "Count to five.", "Name a fruit.", "What is 2+2?")] * 2
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     hits = builtin_engine.stats().prefix_cache_hit_tokens
-    with_cache = run_concurrently(builtin_engine, prompts, params)
-    assert builtin_engine.stats().prefix_cache_hit_tokens > hits
-    off = Engine(opt="O0", max_num_sequence=8, prefix_cache_mode="disable", verbose=False)
+    # One request first, so the shared system prompt is cached before the batch arrives.
+    with_cache = [tokens_of(builtin_engine, prompts[0], params)]
+    with_cache += run_concurrently(builtin_engine, prompts[1:], params)
+    assert builtin_engine.stats().prefix_cache_hit_tokens - hits >= 7 * 4 * PAGE
+    off = Engine(max_num_sequence=8, max_total_sequence_length=8192, prefix_cache_mode="disable",
+                 verbose=False)
     try:
-        assert run_concurrently(off, prompts, params) == with_cache
+        without = [tokens_of(off, prompts[0], params)] + run_concurrently(off, prompts[1:], params)
+        assert without == with_cache
     finally:
         off.shutdown()
 

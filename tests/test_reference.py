@@ -7,7 +7,7 @@ float32, so the weights are identical and only the arithmetic differs.
 import pytest
 import torch
 
-from lmserve import SamplingParams
+from lmserve import Engine, SamplingParams
 from prompts import CHAT_PROMPTS, long_prompt
 
 NEW_TOKENS = 64
@@ -32,8 +32,16 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Te
 
 
 @pytest.fixture(scope="module")
-def prompts(builtin_engine) -> list[list[int]]:
-    tok = builtin_engine.tokenizer
+def reference_engine():
+    """The built-in model on the full-precision path."""
+    engine = Engine(opt="O0", max_num_sequence=8, verbose=False)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(reference_engine) -> list[list[int]]:
+    tok = reference_engine.tokenizer
     chats = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     return chats + [tok.apply_chat_template([{"role": "user", "content": long_prompt()}])]
 
@@ -45,10 +53,10 @@ def test_prompts_are_varied_and_one_is_long(prompts):
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 @torch.inference_mode()
-def test_greedy_tokens_and_logprobs_match_transformers(builtin_engine, hf_builtin, prompts):
+def test_greedy_tokens_and_logprobs_match_transformers(reference_engine, hf_builtin, prompts):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
     for prompt in prompts:
-        outs = list(builtin_engine.generate(prompt, params))
+        outs = list(reference_engine.generate(prompt, params))
         deltas = [d for o in outs for d in o.deltas]
         tokens = [t for d in deltas for t in d.token_ids]
         ref_tokens, ref_logprobs = hf_greedy(hf_builtin, prompt, NEW_TOKENS)

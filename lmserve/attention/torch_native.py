@@ -111,7 +111,9 @@ class TorchNativeBackend(AttentionBackend):
             chunk = slice(p.start, p.start + p.length)
             qp = q[chunk].transpose(0, 1).unsqueeze(0).float()  # (1, H, n, hd)
             if p.pages is None:
-                kp, vp = k[chunk], v[chunk]  # (n, KVH, hd)
+                # Rounded as the cache stores them, so a prompt sees the same keys whether it is
+                # prefilled whole, in chunks, or after a cached prefix.
+                kp, vp = k[chunk].to(k_cache.dtype), v[chunk].to(v_cache.dtype)  # (n, KVH, hd)
             else:
                 kp = _gather_pages(k_cache, p.pages, page_size)  # (L, KVH, hd)
                 vp = _gather_pages(v_cache, p.pages, page_size)
