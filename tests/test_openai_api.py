@@ -13,13 +13,10 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from lmserve.engine.openai_api import (
-    AsyncChat,
-    AsyncCompletions,
-    Chat,
+from lmserve.engine.openai_api import AsyncChat, AsyncCompletions, Chat, Completions
+from lmserve.engine.openai_builders import (
     ChatResponseBuilder,
     ChatStreamBuilder,
-    Completions,
     RequestAborted,
     hf_token_bytes,
     token_text,

@@ -1,379 +1,48 @@
-"""OpenAI-shaped results from the engine's RequestOutput streams, and the ``create`` facades on top.
+"""OpenAI's ``create`` facades on an engine: ``engine.chat.completions.create(...)`` and
+``engine.completions.create(...)``.
 
-Two layers:
-
-* Builders, pure and engine-independent: ``ChatStreamBuilder`` / ``CompletionStreamBuilder``
-  turn each ``RequestOutput`` into stream chunks; ``ChatResponseBuilder`` /
-  ``CompletionResponseBuilder`` fold those same chunks into one response, so streaming and
-  non-streaming results agree by construction. The HTTP server reuses them.
-* Facades: ``Chat`` / ``Completions`` (sync) and ``AsyncChat`` / ``AsyncCompletions`` give an
-  engine OpenAI's ``engine.chat.completions.create(...)`` and ``engine.completions.create(...)``.
-  Everything but the iteration itself (validation, prompt rendering, builders) is shared.
-
-What the facades need from their backend (the engine) is spelled out by ``Backend``,
-``AsyncBackend`` and ``TokenizerLike`` below.
+``Chat`` / ``Completions`` (sync) and ``AsyncChat`` / ``AsyncCompletions`` validate the request
+(protocol.py), render the chat template, run the engine requests and shape their outputs with the
+builders of ``engine/openai_builders.py``. Everything but the iteration itself is shared between
+the sync and async facades. What they need from their backend (the engine) is spelled out by
+``Backend``, ``AsyncBackend`` and ``TokenizerLike`` below.
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import functools
 import time
 import uuid
-from collections import defaultdict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
 from contextlib import aclosing, closing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol, TypeVar, Union
 
 import jinja2
 
-from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
+from lmserve.engine.openai_builders import (
+    ChatResponseBuilder,
+    ChatStreamBuilder,
+    CompletionPrompt,
+    CompletionResponseBuilder,
+    CompletionStreamBuilder,
+    TokenBytes,
+    hf_token_bytes,
+)
+from lmserve.outputs import RequestOutput
 from lmserve.protocol import (
-    ChatChoice,
-    ChatChoiceLogprobs,
-    ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatDelta,
-    ChatMessage,
-    ChatTokenLogprob,
     Completion,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
-    InvalidRequestError,
-    TopLogprob,
-    Usage,
     GenerationRequest,
+    InvalidRequestError,
 )
 from lmserve.sampling_params import SamplingParams
 
-TokenBytes = Callable[[int], bytes]  # token id -> the raw bytes it stands for
 _T = TypeVar("_T")
-
-# OpenAI reports -9999.0 for tokens whose probability underflowed (JSON has no -Infinity).
-_LOWEST_LOGPROB = -9999.0
-
-
-class RequestAborted(RuntimeError):
-    """The engine aborted the request before it finished (shutdown, or an abort from elsewhere)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Token text and bytes, as OpenAI's logprobs spell them
-
-
-def token_text(raw: bytes) -> str:
-    """A token as OpenAI's logprobs show it: its UTF-8 text, or ``bytes:\\xNN..`` when it is only
-    part of a character (as OpenAI does for such tokens)."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-def _gpt2_char_to_byte() -> dict[str, int]:
-    """Inverse of GPT-2's byte-to-printable-character table used by byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in printable}
-    shifted = (b for b in range(256) if b not in table.values())
-    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
-    return table
-
-
-def hf_token_bytes(hf: Any) -> TokenBytes:
-    """``token id -> raw bytes`` for a Hugging Face tokenizer.
-
-    ``decode([id])`` is not enough: it drops SentencePiece's leading space and turns a token that
-    holds part of a UTF-8 character into U+FFFD. So read the vocabulary piece instead and undo
-    the vocabulary's own byte encoding: GPT-2's printable-character table for byte-level BPE,
-    ``▁`` for space and ``<0xNN>`` byte-fallback pieces for SentencePiece. Added tokens (chat
-    markers and the like) are stored as plain text.
-    """
-    probe = hf.convert_ids_to_tokens(hf.encode(" a", add_special_tokens=False))
-    byte_level = any("Ġ" in piece for piece in probe)  # GPT-2's spelling of a space
-    char_to_byte = _gpt2_char_to_byte()
-    added = set(hf.get_added_vocab().values())
-
-    def token_bytes(token_id: int) -> bytes:
-        piece = hf.convert_ids_to_tokens(token_id)
-        if token_id in added:
-            return piece.encode()
-        if byte_level and all(c in char_to_byte for c in piece):
-            return bytes(char_to_byte[c] for c in piece)
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            return bytes([int(piece[3:5], 16)])
-        return piece.replace("▁", " ").encode()
-
-    return token_bytes
-
-
-def _logprob(value: float) -> float:
-    return value if value > _LOWEST_LOGPROB else _LOWEST_LOGPROB  # also maps -inf and NaN
-
-
-def chat_logprobs(logprobs: Sequence[TokenLogprob], token_bytes: TokenBytes) -> ChatChoiceLogprobs:
-    """OpenAI chat logprobs (``{"content": [{token, logprob, bytes, top_logprobs}]}``)."""
-
-    def spell(token_id: int, logprob: float) -> dict[str, Any]:
-        raw = token_bytes(token_id)
-        return dict(token=token_text(raw), logprob=_logprob(logprob), bytes=list(raw))
-
-    return ChatChoiceLogprobs(content=[
-        ChatTokenLogprob(**spell(lp.token_id, lp.logprob),
-                         top_logprobs=[TopLogprob(**spell(t, v)) for t, v in lp.top])
-        for lp in logprobs
-    ])
-
-
-def completion_logprobs(
-    logprobs: Sequence[TokenLogprob], token_bytes: TokenBytes, offsets: codecs.IncrementalDecoder, start: int
-) -> tuple[CompletionLogprobs, int]:
-    """OpenAI text completion logprobs for consecutive tokens of one choice.
-
-    ``start`` is the character offset of the first token in the choice's text; ``offsets``, the
-    choice's UTF-8 decoder, carries a character split across tokens over to the next call.
-    Returns the logprobs and the offset after the last token.
-    """
-    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for lp in logprobs:
-        raw = token_bytes(lp.token_id)
-        out.tokens.append(token_text(raw))
-        out.token_logprobs.append(_logprob(lp.logprob))
-        out.top_logprobs.append({token_text(token_bytes(t)): _logprob(v) for t, v in lp.top})
-        out.text_offset.append(start)
-        start += len(offsets.decode(raw))
-    return out, start
-
-
-# ---------------------------------------------------------------------------------------------
-# Stream builders
-
-
-@dataclass
-class _ChoiceState:
-    """Per-choice bookkeeping of a stream."""
-
-    started: bool = False
-    finished: bool = False
-    num_tokens: int = 0
-    # Text completions only: where the next token starts in the choice's text.
-    text_offset: int = 0
-    utf8: codecs.IncrementalDecoder = field(
-        default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
-
-
-class _StreamBuilder:
-    """What chat and text completion streams share: identity, per-choice state and usage."""
-
-    def __init__(self, request_id: str, model: str, created: int, prompt_tokens: int, token_bytes: TokenBytes,
-                 include_usage: bool = False) -> None:
-        """``request_id`` is the response id; ``token_bytes`` spells tokens for logprobs;
-        ``include_usage`` adds a final chunk with the usage of the whole request."""
-        self.request_id = request_id
-        self.model = model
-        self.created = created
-        self.prompt_tokens = prompt_tokens
-        self.token_bytes = token_bytes
-        self.include_usage = include_usage
-        self._choices: dict[int, _ChoiceState] = defaultdict(_ChoiceState)
-
-    def _advance(self, index: int, delta: SequenceDelta) -> tuple[_ChoiceState, bool]:
-        """Account for one delta of choice ``index``; returns its state and whether it is its first."""
-        if delta.finish_reason == "abort":
-            raise RequestAborted(f"request {self.request_id} was aborted")
-        state = self._choices[index]
-        if state.finished:
-            raise RuntimeError(f"choice {index} of {self.request_id} moved after it had finished")
-        first, state.started = not state.started, True
-        state.num_tokens += len(delta.token_ids)
-        state.finished = delta.finish_reason is not None
-        return state, first
-
-    @property
-    def usage(self) -> Usage:
-        """Token counts so far: the prompt(s) once, plus every choice's generated tokens."""
-        completion = sum(s.num_tokens for s in self._choices.values())
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
-                     total_tokens=self.prompt_tokens + completion)
-
-
-class ChatStreamBuilder(_StreamBuilder):
-    """``RequestOutput``s of one chat request -> ``ChatCompletionChunk``s.
-
-    One chunk per choice that has news, as OpenAI sends them. A choice's first chunk carries
-    ``role: "assistant"``, its last one the ``finish_reason``; steps where a choice produced
-    nothing visible (text held back as a possible stop string) yield no chunk for it.
-    """
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
-                                   choices=choices, usage=usage)
-
-    def add(self, output: RequestOutput) -> list[ChatCompletionChunk]:
-        """The chunks for one step's output. Raises ``RequestAborted`` on an aborted choice."""
-        chunks = []
-        for delta in output.deltas:
-            _, first = self._advance(delta.index, delta)
-            if not (first or delta.text or delta.logprobs or delta.finish_reason):
-                continue
-            choice = ChatChunkChoice(
-                index=delta.index,
-                delta=ChatDelta(role="assistant" if first else None,
-                                content=delta.text if delta.text or first else None),
-                logprobs=None if delta.logprobs is None else chat_logprobs(delta.logprobs, self.token_bytes),
-                finish_reason=delta.finish_reason,
-                stop_reason=delta.stop_reason,
-            )
-            chunks.append(self._chunk([choice]))
-        return chunks
-
-    def finish(self) -> list[ChatCompletionChunk]:
-        """What follows the last output: the usage chunk (no choices) when it was asked for."""
-        return [self._chunk([], self.usage)] if self.include_usage else []
-
-
-@dataclass(frozen=True)
-class CompletionPrompt:
-    """One prompt of a text completion request, as the engine runs it."""
-
-    request_id: str  # the engine request id its RequestOutputs carry
-    num_tokens: int
-    echo: Optional[str] = None  # text put before each of its choices (``echo: true``)
-
-
-class CompletionStreamBuilder(_StreamBuilder):
-    """``RequestOutput``s of one text completion request -> ``Completion`` chunks.
-
-    A request may hold several prompts, each run as its own engine request with ``n`` choices;
-    choice ``i`` of prompt ``p`` is choice ``p * n + i`` of the response, as in OpenAI's API.
-    """
-
-    def __init__(self, request_id: str, model: str, created: int, prompts: Sequence[CompletionPrompt], n: int,
-                 token_bytes: TokenBytes, include_usage: bool = False) -> None:
-        """As for chat, but with the request's prompts (each with the id of its engine request)."""
-        super().__init__(request_id, model, created, sum(p.num_tokens for p in prompts), token_bytes,
-                         include_usage)
-        self._prompts = {p.request_id: (i, p) for i, p in enumerate(prompts)}
-        self._n = n
-
-    def _chunk(self, choices: list[CompletionChoice], usage: Optional[Usage] = None) -> Completion:
-        return Completion(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                          usage=usage)
-
-    def add(self, output: RequestOutput) -> list[Completion]:
-        """The chunks for one step's output. Raises ``RequestAborted`` on an aborted choice."""
-        prompt_index, prompt = self._prompts[output.request_id]
-        chunks = []
-        for delta in output.deltas:
-            index = prompt_index * self._n + delta.index
-            state, first = self._advance(index, delta)
-            # Logprobs never come with echo (refused: the prompt's own logprobs are not computed),
-            # so text offsets start at 0.
-            text = prompt.echo + delta.text if first and prompt.echo else delta.text
-            logprobs = None
-            if delta.logprobs is not None:
-                logprobs, state.text_offset = completion_logprobs(
-                    delta.logprobs, self.token_bytes, state.utf8, state.text_offset)
-            if not (text or delta.logprobs or delta.finish_reason):
-                continue
-            choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                      finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-            chunks.append(self._chunk([choice]))
-        return chunks
-
-    def finish(self) -> list[Completion]:
-        """What follows the last output: the usage chunk (no choices) when it was asked for."""
-        return [self._chunk([], self.usage)] if self.include_usage else []
-
-
-# ---------------------------------------------------------------------------------------------
-# Response builders: the stream's chunks, folded
-
-
-class _ResponseBuilder:
-    """Collects a stream builder's chunk choices per choice index, for one full response."""
-
-    def __init__(self, stream: Union[ChatStreamBuilder, CompletionStreamBuilder]) -> None:
-        self._stream = stream
-        self._parts: dict[int, list[Any]] = defaultdict(list)
-
-    def add(self, output: RequestOutput) -> None:
-        """Take one step's output. Raises ``RequestAborted`` on an aborted choice."""
-        for chunk in self._stream.add(output):
-            for choice in chunk.choices:
-                self._parts[choice.index].append(choice)
-
-    def _finished_parts(self) -> list[list[Any]]:
-        """Each choice's chunk choices, in choice order; every choice must have finished."""
-        groups = [self._parts[i] for i in sorted(self._parts)]
-        for group in groups:
-            if group[-1].finish_reason is None:
-                raise RuntimeError(f"the outputs of {self._stream.request_id} ended before choice "
-                                   f"{group[-1].index} finished")
-        return groups
-
-
-class ChatResponseBuilder(_ResponseBuilder):
-    """``RequestOutput``s of one chat request -> one ``ChatCompletion`` with usage."""
-
-    def __init__(self, request_id: str, model: str, created: int, prompt_tokens: int,
-                 token_bytes: TokenBytes) -> None:
-        super().__init__(ChatStreamBuilder(request_id, model, created, prompt_tokens, token_bytes))
-        self._stream: ChatStreamBuilder
-
-    def build(self) -> ChatCompletion:
-        """The response, once every choice has finished."""
-        choices = []
-        for parts in self._finished_parts():
-            logprobs = [lp for p in parts if p.logprobs is not None for lp in p.logprobs.content]
-            has_logprobs = any(p.logprobs is not None for p in parts)
-            choices.append(ChatChoice(
-                index=parts[0].index,
-                message=ChatMessage(content="".join(p.delta.content or "" for p in parts)),
-                logprobs=ChatChoiceLogprobs(content=logprobs) if has_logprobs else None,
-                finish_reason=parts[-1].finish_reason,
-                stop_reason=parts[-1].stop_reason,
-            ))
-        s = self._stream
-        return ChatCompletion(id=s.request_id, created=s.created, model=s.model, choices=choices,
-                              usage=s.usage)
-
-
-class CompletionResponseBuilder(_ResponseBuilder):
-    """``RequestOutput``s of one text completion request -> one ``Completion`` with usage."""
-
-    def __init__(self, request_id: str, model: str, created: int, prompts: Sequence[CompletionPrompt], n: int,
-                 token_bytes: TokenBytes) -> None:
-        super().__init__(CompletionStreamBuilder(request_id, model, created, prompts, n, token_bytes))
-        self._stream: CompletionStreamBuilder
-
-    def build(self) -> Completion:
-        """The response, once every choice has finished."""
-        choices = []
-        for parts in self._finished_parts():
-            pieces = [p.logprobs for p in parts if p.logprobs is not None]
-            logprobs = None
-            if pieces:
-                logprobs = CompletionLogprobs(
-                    tokens=[t for lp in pieces for t in lp.tokens],
-                    token_logprobs=[v for lp in pieces for v in lp.token_logprobs],
-                    top_logprobs=[top for lp in pieces for top in lp.top_logprobs],
-                    text_offset=[o for lp in pieces for o in lp.text_offset],
-                )
-            choices.append(CompletionChoice(
-                index=parts[0].index,
-                text="".join(p.text for p in parts),
-                logprobs=logprobs,
-                finish_reason=parts[-1].finish_reason,
-                stop_reason=parts[-1].stop_reason,
-            ))
-        s = self._stream
-        return Completion(id=s.request_id, created=s.created, model=s.model, choices=choices, usage=s.usage)
 
 
 # ---------------------------------------------------------------------------------------------
