@@ -76,15 +76,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> Optional[Batch]:
-        """Pick the next step's work; None when there is nothing to run."""
+        """Pick the next step's work; None when there is nothing to run.
+
+        A step that had to preempt admits nobody: the pages just freed are for the sequences
+        already running, or a preempted prefill would come straight back and take them again.
+        """
+        preempted = self.num_preemptions
         if self.prefill_mode == "chunked" and self._has_prefill_work():
             chunks = self._schedule_running(decode=False)
-            chunks += self._admit_waiting(self.prefill_chunk_size - _tokens(chunks))
+            if self.num_preemptions == preempted:
+                chunks += self._admit_waiting(self.prefill_chunk_size - _tokens(chunks))
             if chunks:
                 return Batch(chunks)
             # No page for any prefill: run the decodes rather than stall.
         chunks = self._schedule_running(decode=True)
-        if self.prefill_mode == "hybrid":
+        if self.prefill_mode == "hybrid" and self.num_preemptions == preempted:
             chunks += self._admit_waiting(self.prefill_chunk_size - _tokens(chunks))
         return Batch(chunks) if chunks else None
 

@@ -224,3 +224,25 @@ def test_verbose_logs_the_plan_once_and_periodic_stats(tiny_model_dir, caplog, m
     quiet = Engine(tiny_model_dir, verbose=False)
     quiet.shutdown()
     assert caplog.text.count("max_num_sequence") == 1  # verbose=False logs nothing new
+
+
+def test_a_duplicate_request_id_is_refused_without_touching_the_first(tiny_model_dir):
+    engine = Engine(tiny_model_dir, verbose=False)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        first = engine.generate([5, 6, 7], params, request_id="x")
+        next(first)
+        with pytest.raises(ValueError, match="'x' is already in use"):
+            next(engine.generate([1, 2, 3], params, request_id="x"))
+        rest = [d for out in first for d in out.deltas]
+        assert rest[-1].finish_reason == "length" and len(rest) == 29
+    finally:
+        engine.shutdown()
+
+
+def test_requests_after_shutdown_fail_instead_of_hanging(tiny_model_dir):
+    engine = Engine(tiny_model_dir, verbose=False)
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        next(engine.generate([1, 2, 3], SamplingParams(max_tokens=2)))
+    assert engine.kv_pages_in_use() == 0 and engine.stats().num_running == 0

@@ -111,3 +111,17 @@ def test_recycling_limit_zero_keeps_nothing_and_clear_frees_everything():
     pool2.release(pages)
     cache2.clear()
     assert pool2.num_free == 16 and cache2.num_pages == 0
+
+
+def test_a_partial_match_splits_the_edge_so_the_unmatched_tail_stays_evictable():
+    pool, cache = make(num_pages=10)
+    toks = list(range(24))  # one 6-page edge
+    pages = seq_pages(pool, toks)
+    cache.insert(toks, pages)
+    pool.release(pages)
+    shared = cache.match(toks[:4] + [99] * 23)
+    assert shared == [pages[0]]
+    pool.share(shared)  # a new sequence now holds the first page
+    # The other five pages are a leaf of their own that nobody else uses.
+    assert cache.evictable_pages() == 5 and cache.evict(5) == 5
+    assert pool.num_free == 9

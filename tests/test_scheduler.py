@@ -145,3 +145,19 @@ def test_finish_frees_every_page_of_running_and_waiting_sequences():
         s.finish(x)
     assert pool.num_free == 8
     assert not s.has_work()
+
+
+def test_a_prefill_that_preempts_itself_is_not_readmitted_in_the_same_step():
+    # Chunked mode, 6 one-token pages: a decodes; b's prefill keeps running out of pages.
+    pool, s = make(num_pages=6, page_size=1, max_seqs=2, chunk=1, mode="chunked")
+    a = seq("a", 3)
+    s.add(a)
+    for _ in range(3):
+        run(s)
+    b = seq("b", 4)
+    s.add(b)
+    for _ in range(40):
+        run(s)
+        if a.num_output_tokens >= 3:
+            break
+    assert a.num_output_tokens >= 3  # a keeps decoding instead of b livelocking the engine

@@ -48,9 +48,11 @@ class RadixCache:
     def match(self, tokens: Sequence[int]) -> list[int]:
         """Pages of the longest cached prefix of ``tokens`` (whole pages only).
 
-        The caller takes its own reference on the pages (``pool.share``) if it uses them.
+        The caller takes its own reference on the pages (``pool.share``) if it uses them. An edge
+        matched part of the way is split there, so its unmatched tail stays evictable on its own
+        while the caller holds the matched part.
         """
-        node, pages, _ = self._walk(tokens, split=False)
+        node, pages, _ = self._walk(tokens)
         self._touch(node)
         return pages
 
@@ -62,7 +64,7 @@ class RadixCache:
         """
         n = min(len(tokens) // self.page_size, len(pages))
         tokens = tokens[: n * self.page_size]
-        node, matched, depth = self._walk(tokens, split=True)
+        node, matched, depth = self._walk(tokens)
         if depth < len(tokens):
             new_pages = list(pages[len(matched) : n])
             child = RadixNode(tuple(tokens[depth:]), new_pages, node)
@@ -115,7 +117,7 @@ class RadixCache:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _walk(self, tokens: Sequence[int], split: bool) -> tuple[RadixNode, list[int], int]:
+    def _walk(self, tokens: Sequence[int]) -> tuple[RadixNode, list[int], int]:
         """Follow ``tokens`` down whole pages; split an edge matched only part of the way."""
         ps = self.page_size
         node, pages, depth = self.root, [], 0
@@ -129,8 +131,6 @@ class RadixCache:
                    and child.key[k * ps : (k + 1) * ps] == tuple(tokens[depth + k * ps : depth + (k + 1) * ps])):
                 k += 1
             if k * ps < len(child.key):
-                if not split:
-                    return child, pages + child.pages[:k], depth + k * ps
                 child = self._split(child, k)
             node, pages, depth = child, pages + child.pages, depth + len(child.key)
         return node, pages, depth

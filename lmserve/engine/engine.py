@@ -59,12 +59,12 @@ class EngineBase:
 
     def stats(self) -> EngineStats:
         """Running and waiting requests, KV pages in use, preemptions, token counters."""
-        return self._core.stats()
+        return self._loop.call(self._core.stats)
 
     def kv_pages_in_use(self) -> int:
         """KV pages held by requests (0 once every request is finished or aborted; pages kept
         only by the prefix cache do not count)."""
-        return self._core.pages_held_by_requests()
+        return self._loop.call(self._core.pages_held_by_requests)
 
     def is_idle(self) -> bool:
         """True when no request is queued, running or waiting for its abort to be processed."""

@@ -1,26 +1,30 @@
 """The engine thread: owns the EngineCore, takes commands from callers, delivers outputs to sinks.
 
-Callers never touch the core. They post commands (add, abort) on a queue and receive each
+Callers never touch the core. They post commands (add, abort, call) on a queue and receive each
 request's outputs through a sink callback, called on the engine thread: a sink must only hand
-the output over (put it on a queue), never block.
+the output over (put it on a queue), never block. Anything that reads the core's state (stats,
+pages in use) runs on the engine thread too, between steps, through ``call``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
-from typing import Callable, Union
+from typing import Callable, TypeVar, Union
 
 from lmserve.engine.core import EngineCore
 from lmserve.outputs import RequestOutput
+from lmserve.protocol import InvalidRequestError
 from lmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("lmserve")
 
 Sink = Callable[[Union[RequestOutput, BaseException]], None]
 STATS_INTERVAL_S = 10.0
+_T = TypeVar("_T")
 
 
 class EngineLoop:
@@ -31,8 +35,10 @@ class EngineLoop:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stopped = False
+        self._lock = threading.Lock()  # guards the three fields below
         self._pending = 0  # commands posted and not yet handled
-        self._pending_lock = threading.Lock()
+        self._request_ids: set[str] = set()  # submitted and not yet finished
+        self._parked = True  # the thread waits for a command with no work at all
         self._thread = threading.Thread(target=self._run, name="lmserve-engine", daemon=True)
         self._thread.start()
 
@@ -40,25 +46,46 @@ class EngineLoop:
                sink: Sink) -> None:
         """Validate in the caller's thread (errors raise here), then queue the request."""
         self.core.validate(prompt_token_ids, params)
-        self._post(("add", request_id, prompt_token_ids, params, sink))
+        with self._lock:
+            if request_id in self._request_ids:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            if not self._post(("add", request_id, prompt_token_ids, params, sink)):
+                raise RuntimeError("the engine is shut down")
+            self._request_ids.add(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
+        with self._lock:
+            self._post(("abort", request_id))
+
+    def call(self, fn: Callable[[], _T], timeout: float = 60.0) -> _T:
+        """Run ``fn`` on the engine thread between two steps and return its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            posted = self._post(("call", fn, future))
+        if not posted:
+            self._thread.join()  # once it has stopped, nothing else touches the core
+            return fn()
+        return future.result(timeout)
 
     def is_idle(self) -> bool:
         """No command waiting to be handled and no request in the engine."""
-        with self._pending_lock:
-            return self._pending == 0 and not self.core.has_work()
+        with self._lock:
+            return self._pending == 0 and self._parked
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stopped = True
-        self._post(("wake",))
+        with self._lock:
+            self._post(("wake",))
+            self._stopped = True
         self._thread.join(timeout)
 
-    def _post(self, cmd: tuple) -> None:
-        with self._pending_lock:
-            self._pending += 1
+    def _post(self, cmd: tuple) -> bool:
+        """Queue a command (the caller holds ``_lock``); False once the engine is shut down, so
+        nothing is queued after the thread's last look at the queue."""
+        if self._stopped:
+            return False
+        self._pending += 1
         self._commands.put(cmd)
+        return True
 
     # -- the thread ----------------------------------------------------------------------------
 
@@ -66,8 +93,13 @@ class EngineLoop:
         last_log = time.monotonic()
         logged = (0, 0)
         while not self._stopped:
-            # Block only when idle, so a busy engine never waits on its callers.
-            self._handle(self._commands.get() if not self.core.has_work() else None)
+            if not self.core.has_work():  # block only when idle: a busy engine never waits
+                with self._lock:
+                    self._parked = self._pending == 0
+                cmd = self._commands.get()
+                with self._lock:
+                    self._parked = False  # before the command is handled and counted as done
+                self._handle(cmd)
             while not self._commands.empty():
                 self._handle(self._commands.get_nowait())
             try:
@@ -83,41 +115,64 @@ class EngineLoop:
                 logged = self._log_stats(now - last_log, logged)
                 last_log = now
         self._fail_all(RuntimeError("the engine was shut down"))
+        with self._lock:
+            self._parked = True
 
-    def _handle(self, cmd) -> None:
-        if cmd is None:
-            return
+    def _handle(self, cmd: tuple) -> None:
         try:
             self._handle_command(cmd)
         finally:
-            with self._pending_lock:
+            with self._lock:
                 self._pending -= 1
 
     def _handle_command(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
+        kind = cmd[0]
+        if kind == "add":
             _, request_id, prompt, params, sink = cmd
             try:
+                if self._stopped:
+                    raise RuntimeError("the engine was shut down")
                 self.core.add_request(request_id, prompt, params)
             except Exception as exc:
+                self._forget(request_id)
                 sink(exc)
                 return
             self._sinks[request_id] = sink
-        elif cmd[0] == "abort":
+        elif kind == "abort":
             out = self.core.abort_request(cmd[1])
             if out is not None:
                 self._deliver(out)
+        elif kind == "call":
+            _, fn, future = cmd
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
 
     def _deliver(self, out: RequestOutput) -> None:
-        sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
+        if out.finished:
+            sink = self._sinks.pop(out.request_id, None)
+            self._forget(out.request_id)
+        else:
+            sink = self._sinks.get(out.request_id)
         if sink is not None:
             sink(out.error if out.error is not None else out)
 
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._request_ids.discard(request_id)
+
     def _fail_all(self, exc: BaseException) -> None:
+        """Fail every request in the engine, and (once stopped) every command still queued."""
         for request_id in list(self.core.requests):
             self.core.abort_request(request_id)
-        for sink in self._sinks.values():
+        for request_id, sink in list(self._sinks.items()):
+            self._forget(request_id)
             sink(exc)
         self._sinks.clear()
+        if self._stopped:
+            while not self._commands.empty():
+                self._handle(self._commands.get_nowait())  # adds are refused, calls answered
 
     def _log_stats(self, elapsed: float, logged: tuple[int, int]) -> tuple[int, int]:
         st = self.core.stats()

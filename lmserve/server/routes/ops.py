@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from lmserve.server.state import server_state
@@ -19,5 +20,10 @@ async def health(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    """Prometheus text format; names are listed in docs/server.md."""
-    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus text format; names are listed in docs/server.md.
+
+    Rendered in a worker thread: the engine's gauges are read on the engine thread between two
+    steps, which can take a while during a long prefill, and the event loop must not wait.
+    """
+    text = await run_in_threadpool(server_state(request).metrics.render)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
