@@ -7,7 +7,8 @@ running sequence needs a page and none is free, the most recently admitted runni
 preempted: its pages are freed and it waits at the head of the queue to be recomputed.
 
 ``prefill_mode="hybrid"``: decode tokens and prefill chunks share one step (split-fuse), the
-step's tokens capped at ``prefill_chunk_size``. ``"chunked"``: a step is all prefill or all decode.
+step's tokens capped at ``prefill_chunk_size``. ``"chunked"``: a step is all prefill or all decode,
+and the two alternate while both have work, so a stream of new prompts never stalls the decodes.
 
 With a prefix cache, an admitted sequence first takes the cached pages of its longest cached
 prefix and prefills only the rest; finished prefill chunks and finished sequences are offered to
@@ -66,6 +67,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.prefix_cache = prefix_cache
         self.num_preemptions = 0
+        self._last_step_prefilled = False  # chunked mode alternates prefill and decode steps
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which found, and not computed again
 
@@ -82,14 +84,18 @@ class Scheduler:
         already running, or a preempted prefill would come straight back and take them again.
         """
         preempted = self.num_preemptions
-        if self.prefill_mode == "chunked" and self._has_prefill_work():
-            chunks = self._schedule_running(decode=False)
+        decodes_wait = any(s.num_pending == 1 for s in self.running)
+        if (self.prefill_mode == "chunked" and self._has_prefill_work()
+                and not (self._last_step_prefilled and decodes_wait)):
+            chunks = self._schedule_running(decodes=False, prefills=True)
             if self.num_preemptions == preempted:
                 chunks += self._admit_waiting(self.prefill_chunk_size - _tokens(chunks))
+            self._last_step_prefilled = bool(chunks)
             if chunks:
                 return Batch(chunks)
             # No page for any prefill: run the decodes rather than stall.
-        chunks = self._schedule_running(decode=True)
+        self._last_step_prefilled = False
+        chunks = self._schedule_running(decodes=True, prefills=self.prefill_mode == "hybrid")
         if self.prefill_mode == "hybrid" and self.num_preemptions == preempted:
             chunks += self._admit_waiting(self.prefill_chunk_size - _tokens(chunks))
         return Batch(chunks) if chunks else None
@@ -121,16 +127,16 @@ class Scheduler:
             bool(self.waiting) and len(self.running) < self.max_num_sequence
         )
 
-    def _schedule_running(self, decode: bool) -> list[ScheduledChunk]:
+    def _schedule_running(self, decodes: bool, prefills: bool) -> list[ScheduledChunk]:
         """Chunks for running sequences: decodes first claim their token, prefills share the rest."""
-        decodes = sum(1 for s in self.running if s.num_pending == 1) if decode else 0
-        budget = self.prefill_chunk_size - decodes
+        num_decodes = sum(1 for s in self.running if s.num_pending == 1) if decodes else 0
+        budget = self.prefill_chunk_size - num_decodes if prefills else 0
         chunks: list[ScheduledChunk] = []
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             is_decode = seq.num_pending == 1
-            n = (1 if decode else 0) if is_decode else min(seq.num_pending, budget)
+            n = (1 if decodes else 0) if is_decode else min(seq.num_pending, budget)
             if n <= 0:
                 i += 1
                 continue

@@ -36,8 +36,10 @@ def run_by_hand(model_dir: str, prefill_mode: str) -> tuple[dict[str, int], dict
 @pytest.mark.parametrize("mode, expected", [
     # hybrid: A decodes in every step while B's prompt is prefilled 15, 15, 10 tokens at a time.
     ("hybrid", {"A": 5, "B": 6}),
-    # chunked: B's prompt takes steps 2-4 (16, 16, 8) alone; A waits, then both decode.
-    ("chunked", {"A": 8, "B": 6}),
+    # chunked: prefill and decode steps alternate: B's prompt is prefilled in steps 3, 5, 7
+    # (16, 16, 8 tokens; step 2 is A's decode), A decodes in steps 2, 4, 6, 8; B's last token
+    # comes in step 9.
+    ("chunked", {"A": 8, "B": 9}),
 ])
 def test_exact_finishing_steps(tiny_model_dir, mode, expected):
     finished, _ = run_by_hand(tiny_model_dir, mode)

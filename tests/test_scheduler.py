@@ -46,16 +46,32 @@ def test_long_prompt_is_prefilled_in_chunks_and_decodes_join_the_next_prompt():
 
 def test_hybrid_rides_decodes_along_a_prefill_and_chunked_alternates():
     for mode, expected in [
-        ("hybrid", [("a", 1, True), ("b", 8, True)]),
-        ("chunked", [("b", 8, True)]),
+        ("hybrid", [[("a", 1, True), ("b", 8, True)]]),
+        # After a's prefill step comes a decode step, then b's prefill step.
+        ("chunked", [[("a", 1, True)], [("b", 8, True)]]),
     ]:
         _, s = make(chunk=16, mode=mode)
         a, b = seq("a", 4), seq("b", 8)
         s.add(a)
         assert run(s) == [("a", 4, True)]
         s.add(b)
-        assert run(s) == expected, mode
+        assert [run(s) for _ in expected] == expected, mode
         assert run(s) == [("a", 1, True), ("b", 1, True)]
+
+
+def test_chunked_decodes_are_not_starved_by_a_stream_of_new_prompts():
+    _, s = make(chunk=16, max_seqs=8, mode="chunked")
+    a = seq("a", 4)
+    s.add(a)
+    run(s)
+    steps = []
+    for i in range(6):
+        s.add(seq(f"p{i}", 8))  # a new prompt before every step
+        steps.append(run(s))
+    # a decodes in every other step; the steps between are prompts only (8 tokens each).
+    assert [any(name == "a" for name, _, _ in step) for step in steps] == [True, False] * 3
+    assert all(n == 8 for step in steps[1::2] for _, n, _ in step)
+    assert a.num_output_tokens == 4
 
 
 def test_decodes_count_against_the_step_budget():
