@@ -8,7 +8,7 @@ import logging
 import os
 import queue
 import uuid
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional
 
 from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
@@ -69,9 +69,6 @@ class EngineBase:
     def is_idle(self) -> bool:
         """True when no request is queued, running or waiting for its abort to be processed."""
         return self._loop.is_idle()
-
-    def encode_prompt(self, prompt: Union[str, list[int]]) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def shutdown(self) -> None:
         """Stop the engine thread; requests still running end with an error."""
