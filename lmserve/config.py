@@ -27,33 +27,46 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
+WeightFormat = Literal["float32", "bfloat16", "float16", "int8", "int4", "native"]
+AttentionKernel = Literal["torch_native", "cpu_paged"]
+
+
 @dataclass(frozen=True)
 class OptFlags:
     """The optimisation knobs an ``opt`` string resolves to."""
 
-    weight_dtype: Dtype = "float32"  # dtype the model weights are held in for compute
+    # How matmul weights are held: dense in a float dtype; "native" keeps a GGUF file's Q4_0 /
+    # Q4_1 / Q8_0 blocks as they are (other weights bfloat16); "int4"/"int8" round every weight
+    # to 32-wide blocks of that many bits.
+    weight_dtype: WeightFormat = "float32"
     kv_dtype: Dtype = "float32"  # dtype of the paged KV cache
+    attention: AttentionKernel = "torch_native"  # the attention backend (lmserve.attention)
     compile: bool = False  # torch.compile the model forward
 
 
 # The one place that says what each level means; change a preset here and nowhere else.
-# O0 is the full-precision reference path. O1 and O2 (the default) keep the KV cache in bfloat16,
-# which halves the KV memory and its traffic and keeps greedy output independent of batch
-# company. O3 also runs the matmuls in bfloat16: faster prefill, but rounding that depends on the
-# batch shape, so greedy output may change with batch company.
+# O0 is the full-precision reference path: float32 weights and KV, torch attention. From O1 on,
+# the KV cache is bfloat16 and attention runs in the C++ paged kernel; O1 holds the weights
+# dense in bfloat16, O2 (the default) multiplies a GGUF file's own 4-/8-bit blocks (no
+# re-rounding), and O3 rounds every weight to 4 bits. Every level computes each token the same
+# way whatever its batch company, so greedy output does not depend on batching.
 _BF16 = "bfloat16"
 OPT_LEVELS: dict[str, OptFlags] = {
     "O0": OptFlags(),
-    "O1": OptFlags(kv_dtype=_BF16),
-    "O2": OptFlags(kv_dtype=_BF16),
-    "O3": OptFlags(weight_dtype=_BF16, kv_dtype=_BF16),
+    "O1": OptFlags(weight_dtype=_BF16, kv_dtype=_BF16, attention="cpu_paged"),
+    "O2": OptFlags(weight_dtype="native", kv_dtype=_BF16, attention="cpu_paged"),
+    "O3": OptFlags(weight_dtype="int4", kv_dtype=_BF16, attention="cpu_paged"),
 }
 DEFAULT_OPT_LEVEL = "O2"  # what ``opt=None`` means
 
+_DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "f32": "float32",
+                  "bfloat16": _BF16, "bf16": _BF16,
+                  "float16": "float16", "fp16": "float16", "f16": "float16"}
 # knob name -> accepted spellings of its value (matched lower-cased) -> the value in OptFlags
 _KNOB_VALUES: dict[str, dict[str, Any]] = {
-    "weight_dtype": {d: d for d in DTYPES},
-    "kv_dtype": {d: d for d in DTYPES},
+    "weight_dtype": {**_DTYPE_ALIASES, **{f: f for f in get_args(WeightFormat)}},
+    "kv_dtype": _DTYPE_ALIASES,
+    "attention": {a: a for a in get_args(AttentionKernel)},
     "compile": {"0": False, "1": True, "false": False, "true": True},
 }
 

@@ -31,6 +31,9 @@ RUNTIME_MARGIN_BYTES = 768 << 20
 RUNTIME_MARGIN_FRACTION = 0.05
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per weight of each weight format: blocks of 32 codes with float32 scale (and zero for
+# 4-bit). "native" keeps whatever the file has, at most bfloat16, so it is planned as bfloat16.
+_WEIGHT_BYTES = {**_DTYPE_BYTES, "int4": (16 + 8) / 32, "int8": (32 + 4) / 32, "native": 2}
 _GiB = 1 << 30
 
 
@@ -62,8 +65,9 @@ class EnginePlan:
     prefill_chunk_size: int  # most tokens in one prefill step
     page_size: int  # tokens per KV page
     num_pages: int  # pages in the KV pool
-    weight_dtype: str
+    weight_dtype: str  # how matmul weights are held (the opt level's weight format)
     kv_dtype: str
+    attention: str  # attention backend
     memory: MemoryPlan
 
     def describe(self) -> str:
@@ -95,7 +99,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     device = device_memory if device_memory is not None else system_memory_bytes()
     util = config.gpu_memory_utilization or DEFAULT_MEMORY_UTILIZATION
     budget = int(util * device)
-    weights = weight_bytes(args, _DTYPE_BYTES[opt.weight_dtype])
+    weights = weight_bytes(args, opt.weight_dtype)
     kv_per_token = (2 * args.num_layers * args.num_kv_heads * args.head_dim
                     * _DTYPE_BYTES[opt.kv_dtype])
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
@@ -124,17 +128,23 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
                         workspace, margin)
     _check(args, memory, total, single, chunk, util)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
-                      opt.weight_dtype, opt.kv_dtype, memory)
+                      opt.weight_dtype, opt.kv_dtype, opt.attention, memory)
 
 
-def weight_bytes(args: ModelArgs, dtype_bytes: int) -> int:
-    """Bytes of the model's weights as the engine holds them (norms stay float32)."""
+def weight_bytes(args: ModelArgs, weight_format: str) -> int:
+    """Bytes of the model's weights as the engine holds them: the matmul weights in
+    ``weight_format``, the embedding table dense in the matmul input dtype (a separate copy when
+    the weights are blocks), norms in float32."""
     d, hd = args.hidden_size, args.head_dim
     attn = d * (args.num_heads + 2 * args.num_kv_heads) * hd + args.num_heads * hd * d
     mlp = 3 * d * args.intermediate_size
-    matrices = args.num_layers * (attn + mlp) + args.vocab_size * d * (1 if args.tie_word_embeddings else 2)
+    per_weight = _WEIGHT_BYTES[weight_format]
+    embed = args.vocab_size * d
+    dense = weight_format in _DTYPE_BYTES
+    table = embed * (per_weight if dense else 2)
+    head = 0 if dense and args.tie_word_embeddings else embed * per_weight
     norms = (2 * args.num_layers + 1) * d
-    return matrices * dtype_bytes + norms * 4
+    return int(args.num_layers * (attn + mlp) * per_weight + table + head + norms * 4)
 
 
 def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per_token: int) -> int:

@@ -1,10 +1,19 @@
-"""Paged attention over a mixed flat batch equals dense causal attention per sequence."""
+"""Paged attention over a mixed flat batch equals dense causal attention per sequence, for every
+backend; the C++ kernel computes each row bit-identically whatever the batch around it."""
 
+import pytest
 import torch
 
-from lmserve.attention.base import AttentionInput, create_backend
+from lmserve.attention import cpu_paged
+from lmserve.attention.base import AttentionInput, AttentionShape, create_backend
+from lmserve.layers.rotary import RotaryEmbedding, apply_rotary
 
-H, KVH, HD, PAGE = 4, 2, 8, 4
+H, KVH, HD, PAGE = 4, 2, 16, 4
+SHAPE = AttentionShape(H, KVH, HD)
+BACKENDS = ["torch_native", "cpu_paged"]
+needs_kernel = pytest.mark.skipif(
+    cpu_paged.why_unsupported(SHAPE, torch.bfloat16) is not None,
+    reason=f"C++ kernel unavailable: {cpu_paged.why_unsupported(SHAPE, torch.bfloat16)}")
 
 
 def dense_attention(q, k, v):
@@ -17,38 +26,100 @@ def dense_attention(q, k, v):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def test_decode_prefill_and_prefix_chunk_in_one_batch_match_dense():
+def run_step(backend, caches, full, pages, query_lens, done, rotary=None):
+    """One step where seq i has ``done[i]`` tokens cached and adds ``query_lens[i]``; ``full``
+    holds each sequence's fused qkv rows. Without ``rotary`` the angles are zero (no rotation)."""
+    qkv = torch.cat([f[d : d + n] for f, n, d in zip(full, query_lens, done)])
+    pos = torch.cat([torch.arange(d, d + n) for n, d in zip(query_lens, done)])
+    if rotary is None:
+        cos, sin = torch.ones(len(pos), HD), torch.zeros(len(pos), HD)
+    else:
+        cos, sin = rotary.lookup(pos)
+    inp = AttentionInput(query_lens, [d + n for n, d in zip(query_lens, done)], pages)
+    meta = backend.prepare(inp, PAGE, torch.device("cpu"))
+    return backend.forward(meta, qkv, cos, sin, *caches).view(-1, H, HD)
+
+
+def split(qkv):
+    L = qkv.shape[0]
+    q, k, v = qkv.split([H * HD, KVH * HD, KVH * HD], -1)
+    return q.view(L, H, HD), k.view(L, KVH, HD), v.view(L, KVH, HD)
+
+
+@pytest.mark.parametrize("name", [BACKENDS[0], pytest.param(BACKENDS[1], marks=needs_kernel)])
+def test_decode_prefill_and_prefix_chunk_in_one_batch_match_dense(name):
     torch.manual_seed(0)
-    backend = create_backend("torch_native")
-    k_cache = torch.zeros(64, KVH, HD)
-    v_cache = torch.zeros(64, KVH, HD)
+    backend = create_backend(name, SHAPE)
+    caches = (torch.zeros(64, KVH, HD), torch.zeros(64, KVH, HD))
     # Three sequences with full contexts of 7, 5 and 9 tokens, on scattered pages.
     lens = [7, 5, 9]
     pages = [[9, 2], [5, 14], [0, 11, 6]]
-    full = [(torch.randn(L, H, HD), torch.randn(L, KVH, HD), torch.randn(L, KVH, HD)) for L in lens]
-
-    def step(query_lens, done):
-        """Run one step where seq i has ``done[i]`` tokens cached and adds ``query_lens[i]``."""
-        qs, ks, vs = [], [], []
-        for (q, k, v), n, d in zip(full, query_lens, done):
-            qs.append(q[d : d + n]), ks.append(k[d : d + n]), vs.append(v[d : d + n])
-        inp = AttentionInput(query_lens, [d + n for n, d in zip(query_lens, done)], pages)
-        meta = backend.prepare(inp, PAGE, torch.device("cpu"))
-        return backend.forward(meta, torch.cat(qs), torch.cat(ks), torch.cat(vs),
-                               k_cache, v_cache, HD**-0.5)
+    full = [torch.randn(L, (H + 2 * KVH) * HD) for L in lens]
 
     # Step 1: seq 0 prefills 6, seq 1 prefills all 5, seq 2 prefills 4 (a first chunk).
-    out1 = step([6, 5, 4], [0, 0, 0])
+    out1 = run_step(backend, caches, full, pages, [6, 5, 4], [0, 0, 0])
     # Step 2: seq 0 decodes its 7th token, seq 2 prefills its remaining 5 after a cached prefix;
     # seq 1 re-attends its last token as a decode (query 1 token at position 4, already cached).
-    out2 = step([1, 1, 5], [6, 4, 4])
+    out2 = run_step(backend, caches, full, pages, [1, 1, 5], [6, 4, 4])
 
-    ref = [dense_attention(*f) for f in full]
-    torch.testing.assert_close(out1[:6], ref[0][:6], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out1[6:11], ref[1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out1[11:15], ref[2][:4], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out2[0], ref[0][6], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out2[1], ref[1][4], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out2[2:], ref[2][4:], atol=1e-5, rtol=1e-5)
+    ref = [dense_attention(*split(f)) for f in full]
+    tol = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out1[:6], ref[0][:6], **tol)
+    torch.testing.assert_close(out1[6:11], ref[1], **tol)
+    torch.testing.assert_close(out1[11:15], ref[2][:4], **tol)
+    torch.testing.assert_close(out2[0], ref[0][6], **tol)
+    torch.testing.assert_close(out2[1], ref[1][4], **tol)
+    torch.testing.assert_close(out2[2:], ref[2][4:], **tol)
     # Keys landed in the right slots: seq 2's 6th token (position 5) is on page 11, offset 1.
-    torch.testing.assert_close(k_cache[11 * PAGE + 1], full[2][1][5])
+    torch.testing.assert_close(caches[0][11 * PAGE + 1], split(full[2])[1][5])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_torch_path_with_rotary_and_bf16_cache(dtype):
+    """Rotation, bf16 cache store and attention against the torch backend (tolerance: one bf16
+    rounding of the output, 1e-2 relative; 1e-5 in float32)."""
+    torch.manual_seed(1)
+    rotary = RotaryEmbedding(HD, 64, 10000.0)
+    pages = [[3, 7, 1, 12, 4], [8, 2, 9]]
+    full = [torch.randn(L, (H + 2 * KVH) * HD).to(dtype) for L in (19, 10)]
+    outs, caches = [], []
+    for name in BACKENDS:
+        c = (torch.zeros(64, KVH, HD, dtype=torch.bfloat16), torch.zeros(64, KVH, HD, dtype=torch.bfloat16))
+        backend = create_backend(name, SHAPE)
+        a = run_step(backend, c, full, pages, [12, 10], [0, 0], rotary)
+        b = run_step(backend, c, full, pages, [7, 0], [12, 10], rotary)
+        outs.append(torch.cat([a, b]).float())
+        caches.append(c)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    torch.testing.assert_close(caches[1][0].float(), caches[0][0].float(), **tol)
+    # The cached keys are the rotated keys: position 13 of seq 0 sits on page 12, offset 1.
+    _, k, _ = split(full[0].float())
+    cos, sin = rotary.lookup(torch.tensor([13]))
+    rotated = apply_rotary(k[13:14], cos, sin)[0]
+    torch.testing.assert_close(caches[1][0][12 * PAGE + 1].float(), rotated, atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+def test_kernel_rows_do_not_depend_on_batch_company():
+    """A token's output is bit-identical decoded alone, decoded with others, or inside a prefill
+    chunk (its keys identical): the kernel's per-row arithmetic never depends on the batch."""
+    torch.manual_seed(2)
+    backend = create_backend("cpu_paged", SHAPE)
+    pages = [list(range(0, 12)), list(range(12, 20)), list(range(20, 26))]
+    full = [torch.randn(L, (H + 2 * KVH) * HD).bfloat16() for L in (45, 30, 21)]
+
+    def fresh():
+        return torch.zeros(128, KVH, HD, dtype=torch.bfloat16), torch.zeros(128, KVH, HD, dtype=torch.bfloat16)
+
+    # Whole prompt of seq 0 in one chunk: row 44 is its last token.
+    whole = run_step(backend, fresh(), full, pages, [45, 0, 0], [0, 0, 0])[44]
+    # Prefilled in chunks beside other sequences, then decoded with company.
+    c = fresh()
+    run_step(backend, c, full, pages, [20, 30, 5], [0, 0, 0])
+    run_step(backend, c, full, pages, [24, 0, 15], [20, 30, 5])
+    company = run_step(backend, c, full, pages, [1, 0, 1], [44, 30, 20])[0]
+    # Decoded alone.
+    alone = run_step(backend, c, full, pages, [1, 0, 0], [44, 30, 21])[0]
+    assert torch.equal(whole, company) and torch.equal(whole, alone)

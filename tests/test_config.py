@@ -191,13 +191,17 @@ def test_default_opt_is_level_o2():
     assert parse_opt(None) == parse_opt("") == parse_opt("O2") == OPT_LEVELS["O2"]
 
 
+def _flags(weights, kv, attention="cpu_paged", compile=False):
+    return OptFlags(weight_dtype=weights, kv_dtype=kv, attention=attention, compile=compile)
+
+
 @pytest.mark.parametrize(
     "level, expected",
     [
-        ("O0", OptFlags("float32", "float32", False)),
-        ("O1", OptFlags("float32", "bfloat16", False)),
-        ("O2", OptFlags("float32", "bfloat16", False)),
-        ("O3", OptFlags("bfloat16", "bfloat16", False)),
+        ("O0", _flags("float32", "float32", "torch_native")),
+        ("O1", _flags("bfloat16", "bfloat16")),
+        ("O2", _flags("native", "bfloat16")),
+        ("O3", _flags("int4", "bfloat16")),
     ],
 )
 def test_levels(level, expected):
@@ -208,12 +212,15 @@ def test_levels(level, expected):
     "opt, expected",
     [
         # Knobs without a level adjust the default level, O2.
-        ("weight_dtype=bfloat16;compile=0", OptFlags("bfloat16", "bfloat16", False)),
-        ("kv_dtype=float16", OptFlags("float32", "float16", False)),
-        ("compile=1", OptFlags("float32", "bfloat16", True)),
-        ("compile=true", OptFlags("float32", "bfloat16", True)),
-        ("O2;kv_dtype=float32", OptFlags("float32", "float32", False)),
-        (" O0 ; weight_dtype = float16 ; ", OptFlags("float16", "float32", False)),
+        ("weight_dtype=bfloat16;compile=0", _flags("bfloat16", "bfloat16")),
+        ("kv_dtype=float16", _flags("native", "float16")),
+        ("compile=1", _flags("native", "bfloat16", compile=True)),
+        ("compile=true", _flags("native", "bfloat16", compile=True)),
+        ("O2;kv_dtype=float32", _flags("native", "float32")),
+        (" O0 ; weight_dtype = float16 ; ", _flags("float16", "float32", "torch_native")),
+        # the spelling: short dtype names
+        ("weight_dtype=int4;kv_dtype=bf16;compile=1", _flags("int4", "bfloat16", compile=True)),
+        ("O0;attention=cpu_paged;weight_dtype=int8", _flags("int8", "float32")),
     ],
 )
 def test_knobs_adjust_the_level(opt, expected):
@@ -224,9 +231,11 @@ def test_knobs_adjust_the_level(opt, expected):
     "opt, pieces",
     [
         ("O7", ["'O7'", "O0, O1, O2, O3"]),
-        ("fast=1", ["'fast'", "compile, kv_dtype, weight_dtype"]),
+        ("fast=1", ["'fast'", "attention, compile, kv_dtype, weight_dtype"]),
         ("compile=yes", ["'yes'", "'compile'", "0, 1, false, true"]),
-        ("weight_dtype=int4", ["'int4'", "'weight_dtype'", "float32, bfloat16, float16"]),
+        ("weight_dtype=int3", ["'int3'", "'weight_dtype'", "bfloat16", "int8, int4, native"]),
+        ("kv_dtype=int4", ["'int4'", "'kv_dtype'", "float32"]),
+        ("attention=flash", ["'flash'", "torch_native, cpu_paged"]),
         ("compile=1;O2", ["'O2'", "name=value"]),
         ("compile=1;compile=0", ["'compile'", "more than once"]),
     ],

@@ -1,3 +1,20 @@
 """Attention backends; importing the package registers the built-in ones."""
 
-from lmserve.attention import torch_native  # noqa: F401  (registers "torch_native")
+import logging
+
+import torch
+
+from lmserve.attention import cpu_paged, torch_native  # noqa: F401  (register "cpu_paged", "torch_native")
+from lmserve.attention.base import AttentionShape
+
+logger = logging.getLogger("lmserve")
+
+
+def resolve_attention(name: str, shape: AttentionShape, kv_dtype: torch.dtype) -> str:
+    """``name``, or torch_native (logged) when the C++ kernel cannot serve this model here."""
+    if name == "cpu_paged":
+        reason = cpu_paged.why_unsupported(shape, kv_dtype)
+        if reason:
+            logger.warning("attention=cpu_paged is unavailable (%s); using torch_native", reason)
+            return "torch_native"
+    return name

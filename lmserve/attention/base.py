@@ -23,8 +23,27 @@ class AttentionInput:
     page_tables: list[list[int]]
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention heads of one model layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
 class AttentionBackend(ABC):
-    """Paged attention over a flat batch; chosen once when the engine starts."""
+    """Rotary embedding, KV-cache store and paged attention over a flat batch.
+
+    Chosen once when the engine starts; ``prepare`` runs once per step, ``forward`` once per layer.
+    """
+
+    def __init__(self, shape: AttentionShape) -> None:
+        self.shape = shape
 
     @abstractmethod
     def prepare(self, inp: AttentionInput, page_size: int, device: torch.device) -> object:
@@ -34,14 +53,14 @@ class AttentionBackend(ABC):
     def forward(
         self,
         meta: object,
-        q: torch.Tensor,  # (T, H, hd)
-        k: torch.Tensor,  # (T, KVH, hd)
-        v: torch.Tensor,  # (T, KVH, hd)
+        qkv: torch.Tensor,  # (T, (H + 2 * KVH) * hd): the fused q/k/v projection
+        cos: torch.Tensor,  # (T, hd) float32 rotary angles of each token's position
+        sin: torch.Tensor,  # (T, hd)
         k_cache: torch.Tensor,  # (slots, KVH, hd)
         v_cache: torch.Tensor,  # (slots, KVH, hd)
-        scale: float,
-    ) -> torch.Tensor:  # (T, H, hd)
-        """Write this step's keys/values into the cache and attend each query causally."""
+    ) -> torch.Tensor:  # (T, H * hd) in qkv's dtype
+        """Rotate q and k, write this step's keys/values into the cache, attend each query
+        causally over its sequence's cached keys."""
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
@@ -57,7 +76,7 @@ def register_backend(name: str):
     return deco
 
 
-def create_backend(name: str) -> AttentionBackend:
+def create_backend(name: str, shape: AttentionShape) -> AttentionBackend:
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()
+    return _BACKENDS[name](shape)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.attention.base import AttentionBackend, AttentionInput, register_backend
+from lmserve.layers.rotary import apply_rotary
 
 
 @dataclass
@@ -91,8 +92,13 @@ class TorchNativeBackend(AttentionBackend):
             meta.decode_mask = mask[:, None, None, :].to(device)
         return meta
 
-    def forward(self, meta, q, k, v, k_cache, v_cache, scale):
-        page_size = meta.page_size
+    def forward(self, meta, qkv, cos, sin, k_cache, v_cache):
+        T, (H, KVH, hd) = qkv.shape[0], (self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim)
+        q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1)
+        q = apply_rotary(q.view(T, H, hd), cos, sin)  # (T, H, hd)
+        k = apply_rotary(k.view(T, KVH, hd), cos, sin)  # (T, KVH, hd)
+        v = v.view(T, KVH, hd)
+        scale, page_size = self.shape.scale, meta.page_size
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)  # (T, H, hd)
@@ -123,4 +129,4 @@ class TorchNativeBackend(AttentionBackend):
                 qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
             )  # (1, H, n, hd)
             out[chunk] = op.squeeze(0).transpose(0, 1).to(out.dtype)
-        return out
+        return out.view(T, H * hd)

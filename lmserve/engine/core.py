@@ -10,12 +10,14 @@ from typing import Optional
 
 import torch
 
-from lmserve.attention.base import create_backend
+from lmserve.attention import resolve_attention
+from lmserve.attention.base import AttentionShape, create_backend
 from lmserve.cache.kv import KVCache
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
+from lmserve.layers.linear import DENSE_FORMATS, resolve_weight_format
 from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
 from lmserve.models.registry import model_class
 from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
@@ -55,8 +57,9 @@ class EngineCore:
         opt = parse_opt(config.opt)
         self.device = torch.device("cpu")
 
-        weights = load_weights(path)
-        model = model_class(self.args.architecture)(self.args, weights, _DTYPES[opt.weight_dtype])
+        weight_format = resolve_weight_format(opt.weight_dtype)
+        weights = load_weights(path, keep_blocks=weight_format not in DENSE_FORMATS)
+        model = model_class(self.args.architecture)(self.args, weights, weight_format)
         del weights
         self.tokenizer = Tokenizer.from_model(path)
 
@@ -67,7 +70,9 @@ class EngineCore:
         self.prefix_cache = self._make_prefix_cache(config, plan)
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_sequence,
                                    plan.prefill_chunk_size, config.prefill_mode, self.prefix_cache)
-        self.runner = ModelRunner(model, kv, create_backend("torch_native"),
+        shape = AttentionShape(a.num_heads, a.num_kv_heads, a.head_dim)
+        backend = resolve_attention(opt.attention, shape, _DTYPES[opt.kv_dtype])
+        self.runner = ModelRunner(model, kv, create_backend(backend, shape),
                                   plan.max_single_sequence_length, self.device)
         self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
         self.requests: dict[str, Request] = {}

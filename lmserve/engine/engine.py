@@ -47,8 +47,8 @@ class EngineBase:
             handler.setFormatter(logging.Formatter("%(asctime)s lmserve: %(message)s"))
             logging.getLogger("lmserve").addHandler(handler)
             logging.getLogger("lmserve").setLevel(logging.INFO)
-        self._core = EngineCore(self.config)
-        self._loop = EngineLoop(self._core)
+        self._loop = EngineLoop(lambda: EngineCore(self.config))
+        self._core = self._loop.core
         self.tokenizer = self._core.tokenizer
         self.model_name = os.path.basename(self._core.model_path.rstrip("/"))
         self.max_model_len = self._core.plan.max_single_sequence_length

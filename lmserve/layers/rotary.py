@@ -42,13 +42,15 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each token, shaped ``(T, 1, hd)`` to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and sin for each token, shaped ``(T, hd)``."""
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``(T, heads, hd)`` by the per-token angles (in float32, result in x's dtype)."""
+    """Rotate ``x`` ``(T, heads, hd)`` by the per-token angles ``(T, hd)`` (in float32, result in
+    x's dtype)."""
     xf = x.float()
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     half = x.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)

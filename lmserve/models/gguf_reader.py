@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from lmserve.layers.blocks import BlockWeight, from_gguf_blocks, gguf_block_types
 from lmserve.models.args import ModelArgs
 
 # GGUF architecture name -> ModelArgs.architecture. Mistral files use the llama tensor layout.
@@ -99,8 +100,9 @@ def read_gguf_args(path: str) -> ModelArgs:
     )
 
 
-def read_gguf_weights(path: str) -> dict[str, torch.Tensor]:
-    """Dequantize every weight of a GGUF file to float32, keyed by Hugging Face Llama/Qwen2 names.
+def read_gguf_weights(path: str, keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockWeight]:
+    """Every weight of a GGUF file keyed by Hugging Face Llama/Qwen2 names, dequantized to float32
+    or, with ``keep_blocks``, Q4_0/Q4_1/Q8_0 matrices kept as the file's blocks (``BlockWeight``).
 
     The q/k rows that llama.cpp's converter permuted are put back, so the result equals the
     original Hugging Face checkpoint up to quantization error.
@@ -119,12 +121,18 @@ def read_gguf_weights(path: str) -> dict[str, torch.Tensor]:
             raise ValueError(
                 f"GGUF file {path} has tensor '{tensor.name}', which lmserve does not know for arch '{gguf_arch}'"
             )
-        value = _to_torch(tensor, path)
-        if arch in _ROPE_PERMUTED:
-            if ".attn_q." in tensor.name:
-                value = _unpermute_rope_rows(value, num_heads)
-            elif ".attn_k." in tensor.name:
-                value = _unpermute_rope_rows(value, num_kv_heads)
+        if keep_blocks and tensor.tensor_type.name in gguf_block_types() and len(tensor.shape) == 2:
+            cols, rows = (int(n) for n in tensor.shape)
+            value = from_gguf_blocks(tensor.data, tensor.tensor_type.name, rows, cols)
+        else:
+            value = _to_torch(tensor, path)
+        heads = {".attn_q.": num_heads, ".attn_k.": num_kv_heads}
+        for part, n_head in heads.items():
+            if arch in _ROPE_PERMUTED and part in tensor.name:
+                if isinstance(value, BlockWeight):
+                    value = value.map_rows(lambda t, n=n_head: _unpermute_rope_rows(t, n))
+                else:
+                    value = _unpermute_rope_rows(value, n_head)
         weights[hf_name] = value
     return weights
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from lmserve.layers.blocks import BlockWeight
 from lmserve.models.args import ModelArgs
 from lmserve.models.builtin import builtin_model_path
 from lmserve.models.gguf_reader import read_gguf_args, read_gguf_weights
@@ -39,7 +40,8 @@ def read_model_args(model: Optional[str]) -> ModelArgs:
     return read_hf_args(path) if os.path.isdir(path) else read_gguf_args(path)
 
 
-def load_weights(model: Optional[str]) -> dict[str, torch.Tensor]:
-    """Load a model's weights as float32 tensors keyed by Hugging Face Llama names."""
+def load_weights(model: Optional[str], keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockWeight]:
+    """Load a model's weights keyed by Hugging Face Llama names: float32 tensors, except GGUF
+    block-quantized matrices (Q4_0, Q4_1, Q8_0) with ``keep_blocks``, which stay ``BlockWeight``."""
     path = resolve_model_path(model)
-    return read_hf_weights(path) if os.path.isdir(path) else read_gguf_weights(path)
+    return read_hf_weights(path) if os.path.isdir(path) else read_gguf_weights(path, keep_blocks)

@@ -1,0 +1,100 @@
+"""Paged attention with lmserve's C++ kernel (AVX-512): one call per layer does the rotary
+embedding, the KV-cache store and causal attention of every token over its own pages.
+
+Unlike the torch path it copies no KV: each query reads exactly the keys it attends, so the cost
+grows with the tokens attended rather than with the longest sequence in the batch, and each row is
+computed identically whatever its batch company (see kernels/paged_attention.cpp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from lmserve.attention.base import AttentionBackend, AttentionInput, AttentionShape, register_backend
+from lmserve.kernels.build import load_kernel_library
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    lib = load_kernel_library("paged_attention")
+    if lib is not None and not getattr(lib, "_lmserve_typed", False):
+        lib.lm_paged_attention.argtypes = [_P] * 11 + [_I] * 5 + [ctypes.c_float, _I, _I]
+        lib.lm_paged_attention.restype = None
+        lib._lmserve_typed = True
+    return lib
+
+
+def why_unsupported(shape: AttentionShape, kv_dtype: torch.dtype) -> Optional[str]:
+    """Why the kernel cannot serve this model and cache, or None if it can."""
+    from lmserve.kernels.build import why_unavailable
+
+    if shape.head_dim % 16 or shape.head_dim > 256:
+        return f"head_dim {shape.head_dim} is not a multiple of 16 up to 256"
+    if shape.num_heads // shape.num_kv_heads > 16:
+        return "more than 16 query heads per KV head"
+    if kv_dtype not in (torch.float32, torch.bfloat16):
+        return f"KV cache dtype {kv_dtype} (the kernel reads float32 or bfloat16)"
+    reason = why_unavailable()
+    if reason is None and _library() is None:
+        reason = "the kernel failed to build (see the log)"
+    return reason
+
+
+@dataclass
+class PagedMeta:
+    slots: torch.Tensor  # (T,) int64 cache slot of each new token
+    pages: torch.Tensor  # (sum of page-table lengths,) int32, every sequence's table back to back
+    page_offset: torch.Tensor  # (T,) int64 where each token's sequence table starts in `pages`
+    context: torch.Tensor  # (T,) int32 keys each token attends (its position + 1)
+    page_size: int
+
+
+@register_backend("cpu_paged")
+class CpuPagedBackend(AttentionBackend):
+    def __init__(self, shape: AttentionShape) -> None:
+        super().__init__(shape)
+        self.lib = _library()
+        if self.lib is None:
+            raise RuntimeError("the C++ paged attention kernel is not available on this machine")
+
+    def prepare(self, inp: AttentionInput, page_size: int, device: torch.device) -> PagedMeta:
+        slots: list[int] = []
+        pages: list[int] = []
+        offsets: list[int] = []
+        context: list[int] = []
+        for qlen, ctx, table in zip(inp.query_lens, inp.context_lens, inp.page_tables):
+            used = table[: -(-ctx // page_size)]
+            offsets += [len(pages)] * qlen
+            for pos in range(ctx - qlen, ctx):
+                slots.append(used[pos // page_size] * page_size + pos % page_size)
+                context.append(pos + 1)
+            pages += used
+        return PagedMeta(
+            slots=torch.tensor(slots, dtype=torch.int64),
+            pages=torch.tensor(pages, dtype=torch.int32),
+            page_offset=torch.tensor(offsets, dtype=torch.int64),
+            context=torch.tensor(context, dtype=torch.int32),
+            page_size=page_size,
+        )
+
+    def forward(self, meta: PagedMeta, qkv, cos, sin, k_cache, v_cache):
+        T, (H, KVH, hd) = qkv.shape[0], (self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim)
+        dtype = qkv.dtype
+        qkv = (qkv if dtype in (torch.float32, torch.bfloat16) else qkv.float()).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        q_buf = torch.empty(T, H, hd, dtype=torch.float32)
+        out = torch.empty(T, H * hd, dtype=qkv.dtype)
+        bf16 = ((qkv.dtype == torch.bfloat16) | (k_cache.dtype == torch.bfloat16) << 1
+                | (out.dtype == torch.bfloat16) << 2)
+        self.lib.lm_paged_attention(
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slots.data_ptr(), q_buf.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), meta.pages.data_ptr(),
+            meta.page_offset.data_ptr(), meta.context.data_ptr(), out.data_ptr(),
+            T, H, KVH, hd, meta.page_size, self.shape.scale, bf16, torch.get_num_threads())
+        return out.to(dtype)

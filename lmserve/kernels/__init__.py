@@ -1,0 +1,1 @@
+"""C++ CPU kernels, compiled on first use (see build.py)."""

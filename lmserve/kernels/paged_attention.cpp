@@ -1,0 +1,221 @@
+// Paged attention for CPUs with AVX-512: rotary embedding, KV-cache store and causal attention of
+// a flat batch of tokens in one call per layer.
+//
+// Every query row is computed the same way whatever else is in the batch: its keys are visited
+// in blocks aligned to absolute positions (one KV page each), every dot product and every
+// softmax update has a fixed order, and no work is split across threads within a row. So a
+// token gets bit-identical attention output whether it is decoded alone, decoded beside 63
+// others, or recomputed inside a prefill chunk; this is what keeps greedy output independent of
+// batching, chunking, prefix caching and preemption.
+//
+// Layouts (all contiguous, row-major):
+//   qkv        (T, (H + 2*KVH) * D)   bf16 or fp32, the fused q/k/v projection output
+//   cos, sin   (T, D)                 fp32, rotate-half layout (both halves repeated)
+//   slots      (T,)                   int64 cache slot each token's k/v is stored in
+//   k/v cache  (num_slots, KVH, D)    bf16 or fp32; slot = page * page_size + offset
+//   page_off   (T,)                   int64 index into `pages` where the token's page list starts
+//   ctx        (T,)                   int32 keys the token sees (its position + 1)
+//   out        (T, H, D)              bf16 or fp32
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+constexpr int kMaxD = 256;      // head_dim limit (multiple of 16)
+constexpr int kMaxGroup = 16;   // query heads per KV head limit
+
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fff + ((u >> 16) & 1);
+  return (uint16_t)(u >> 16);
+}
+
+// 16 lanes of a row in bf16 or fp32 widened to fp32.
+inline __m512 load16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256((const __m256i*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline float to_f32(uint16_t x) { return bf16_to_f32(x); }
+inline float to_f32(float x) { return x; }
+inline void store_elem(uint16_t* p, float f) { *p = f32_to_bf16(f); }
+inline void store_elem(float* p, float f) { *p = f; }
+
+// exp(x) for 16 lanes: Cody-Waite range reduction and a degree-6 polynomial (rel. error ~2e-7).
+// Lanes at -inf give 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
+  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Rotate one head (rotate-half layout) and write it to dst.
+template <typename Src, typename Dst>
+inline void rotate_head(const Src* x, const float* cos, const float* sin, Dst* dst, int D) {
+  const int half = D / 2;
+  for (int i = 0; i < half; ++i) {
+    float a = to_f32(x[i]), b = to_f32(x[i + half]);
+    store_elem(dst + i, a * cos[i] - b * sin[i]);
+    store_elem(dst + i + half, b * cos[i + half] + a * sin[i + half]);
+  }
+}
+
+template <typename QKV, typename Cache>
+void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const int64_t* slots,
+                    float* q_out, Cache* kc, Cache* vc, int T, int H, int KVH, int D) {
+  const int64_t row = (int64_t)(H + 2 * KVH) * D;
+#pragma omp parallel for schedule(static)
+  for (int t = 0; t < T; ++t) {
+    const QKV* src = qkv + t * row;
+    const float* c = cos + (int64_t)t * D;
+    const float* s = sin + (int64_t)t * D;
+    for (int h = 0; h < H; ++h) rotate_head(src + h * D, c, s, q_out + ((int64_t)t * H + h) * D, D);
+    Cache* kdst = kc + slots[t] * KVH * D;
+    Cache* vdst = vc + slots[t] * KVH * D;
+    for (int h = 0; h < KVH; ++h) {
+      rotate_head(src + (H + h) * D, c, s, kdst + h * D, D);
+      const QKV* v = src + (H + KVH + h) * D;
+      for (int i = 0; i < D; ++i) store_elem(vdst + h * D + i, to_f32(v[i]));
+    }
+  }
+}
+
+// Attention of the G query heads sharing KV head `kvh` for one token, over keys [0, n_keys).
+template <typename Cache, typename Out>
+void attend_row(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages, int n_keys,
+                int kvh, int G, int KVH, int D, int page_size, float scale, Out* out) {
+  float m[kMaxGroup], l[kMaxGroup];
+  alignas(64) float acc[kMaxGroup][kMaxD];
+  alignas(64) float s[kMaxGroup][16];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+    memset(acc[g], 0, sizeof(float) * D);
+  }
+  const int DV = D / 16;
+  // Keys come in blocks of at most 16, aligned to absolute positions, so the order of every
+  // floating-point operation depends only on this token's context length.
+  for (int start = 0; start < n_keys; start += 16) {
+    const int n = std::min(16, n_keys - start);
+    const Cache* krow[16];
+    const Cache* vrow[16];
+    for (int j = 0; j < n; ++j) {
+      const int pos = start + j;
+      const int64_t slot = (int64_t)pages[pos / page_size] * page_size + pos % page_size;
+      krow[j] = kc + (slot * KVH + kvh) * D;
+      vrow[j] = vc + (slot * KVH + kvh) * D;
+    }
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      for (int j = 0; j < n; ++j) {
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(krow[j]));
+        for (int d = 1; d < DV; ++d)
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * d), load16(krow[j] + 16 * d), sum);
+        s[g][j] = _mm512_reduce_add_ps(sum) * scale;
+      }
+      for (int j = n; j < 16; ++j) s[g][j] = -INFINITY;
+      __m512 sv = _mm512_load_ps(s[g]);
+      const float block_max = _mm512_reduce_max_ps(sv);
+      const float m_new = std::max(m[g], block_max);
+      __m512 p = exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)));
+      p = _mm512_maskz_mov_ps((__mmask16)((1u << n) - 1), p);
+      const float alpha = m[g] == -INFINITY ? 0.f : std::exp(m[g] - m_new);
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
+      m[g] = m_new;
+      alignas(64) float pj[16];
+      _mm512_store_ps(pj, p);
+      for (int d = 0; d < DV; ++d) {
+        __m512 a = _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * d), _mm512_set1_ps(alpha));
+        for (int j = 0; j < n; ++j)
+          a = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), load16(vrow[j] + 16 * d), a);
+        _mm512_store_ps(acc[g] + 16 * d, a);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    for (int i = 0; i < D; ++i) store_elem(out + g * D + i, acc[g][i] * inv);
+  }
+}
+
+template <typename Cache, typename Out>
+void attention(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages,
+               const int64_t* page_off, const int32_t* ctx, Out* out, int T, int H, int KVH, int D,
+               int page_size, float scale) {
+  const int G = H / KVH;
+  // Rows are independent, so how they are spread over threads cannot change their results.
+#pragma omp parallel for schedule(dynamic, 1) collapse(2)
+  for (int t = 0; t < T; ++t)
+    for (int kvh = 0; kvh < KVH; ++kvh)
+      attend_row(q + ((int64_t)t * H + kvh * G) * D, kc, vc, pages + page_off[t], ctx[t], kvh, G,
+                 KVH, D, page_size, scale, out + ((int64_t)t * H + kvh * G) * D);
+}
+
+template <typename QKV, typename Cache, typename Out>
+void run(const void* qkv, const float* cos, const float* sin, const int64_t* slots, float* q_buf,
+         void* kc, void* vc, const int32_t* pages, const int64_t* page_off, const int32_t* ctx,
+         void* out, int T, int H, int KVH, int D, int page_size, float scale) {
+  rope_and_store((const QKV*)qkv, cos, sin, slots, q_buf, (Cache*)kc, (Cache*)vc, T, H, KVH, D);
+  attention(q_buf, (const Cache*)kc, (const Cache*)vc, pages, page_off, ctx, (Out*)out, T, H, KVH,
+            D, page_size, scale);
+}
+
+}  // namespace
+
+extern "C" {
+
+int lm_max_head_dim() { return kMaxD; }
+int lm_max_group() { return kMaxGroup; }
+
+// bf16: bit 0 = qkv is bf16, bit 1 = caches are bf16, bit 2 = out is bf16 (else fp32).
+void lm_paged_attention(const void* qkv, const float* cos, const float* sin, const int64_t* slots,
+                        float* q_buf, void* kc, void* vc, const int32_t* pages,
+                        const int64_t* page_off, const int32_t* ctx, void* out, int T, int H,
+                        int KVH, int D, int page_size, float scale, int bf16, int threads) {
+  omp_set_num_threads(threads);
+#define LM_CASE(bits, A, B, C)                                                                   \
+  case bits:                                                                                     \
+    run<A, B, C>(qkv, cos, sin, slots, q_buf, kc, vc, pages, page_off, ctx, out, T, H, KVH, D, \
+                 page_size, scale);                                                              \
+    break;
+  switch (bf16) {
+    LM_CASE(0, float, float, float)
+    LM_CASE(1, uint16_t, float, float)
+    LM_CASE(2, float, uint16_t, float)
+    LM_CASE(3, uint16_t, uint16_t, float)
+    LM_CASE(4, float, float, uint16_t)
+    LM_CASE(5, uint16_t, float, uint16_t)
+    LM_CASE(6, float, uint16_t, uint16_t)
+    LM_CASE(7, uint16_t, uint16_t, uint16_t)
+  }
+#undef LM_CASE
+}
+}

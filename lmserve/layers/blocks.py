@@ -1,0 +1,100 @@
+"""Weights in blocks of 32 along the input dimension, as GGUF's Q4_0, Q4_1 and Q8_0 store them.
+
+A ``BlockWeight`` keeps the file's own codes (4-bit or 8-bit) with one float32 scale and zero per
+block, ``w = code * scale + zero``. GGUF's fp16 block constants convert to float32 exactly, so
+the weights the kernel multiplies with are the file's weights, not a re-rounding of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+BLOCK = 32
+
+
+@dataclass
+class BlockWeight:
+    codes: torch.Tensor  # (N, K/32, 16) uint8 (4-bit: low nibble = weight i, high = i+16) or (N, K/32, 32) int8 as uint8
+    scale: torch.Tensor  # (N, K/32) float32
+    zero: Optional[torch.Tensor]  # (N, K/32) float32, or None for no offset
+    bits: int  # 4 or 8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * BLOCK
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights as a float32 ``(N, K)`` tensor."""
+        if self.bits == 4:
+            lo, hi = self.codes & 0x0F, self.codes >> 4
+            q = torch.cat([lo, hi], dim=-1).float()  # (N, G, 32)
+        else:
+            q = self.codes.view(torch.int8).float()
+        w = q * self.scale.unsqueeze(-1)
+        if self.zero is not None:
+            w = w + self.zero.unsqueeze(-1)
+        return w.reshape(self.shape)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockWeight:
+        """Apply a row reordering ``fn`` (acting on dim 0) to codes, scales and zeros alike."""
+        zero = None if self.zero is None else fn(self.zero)
+        return BlockWeight(fn(self.codes), fn(self.scale), zero, self.bits)
+
+    @staticmethod
+    def cat(parts: list[BlockWeight]) -> BlockWeight:
+        """Stack weights with the same block format along the output dimension."""
+        if any(p.zero is None for p in parts) and not all(p.zero is None for p in parts):
+            parts = [p if p.zero is not None else p.with_zero() for p in parts]
+        zero = None if parts[0].zero is None else torch.cat([p.zero for p in parts])
+        return BlockWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                           zero, parts[0].bits)
+
+    def with_zero(self) -> BlockWeight:
+        return BlockWeight(self.codes, self.scale, torch.zeros_like(self.scale), self.bits)
+
+    @staticmethod
+    def quantize(w: torch.Tensor, bits: int) -> BlockWeight:
+        """Round a dense ``(N, K)`` weight to blocks: 4-bit with min/max per block (like Q4_1),
+        8-bit symmetric (like Q8_0)."""
+        n, k = w.shape
+        blocks = w.float().reshape(n, k // BLOCK, BLOCK)
+        if bits == 8:
+            scale = blocks.abs().amax(-1) / 127
+            safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+            q = torch.round(blocks / safe.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+            return BlockWeight(q.view(torch.uint8).contiguous(), scale.contiguous(), None, 8)
+        lo, hi = blocks.amin(-1), blocks.amax(-1)
+        scale = (hi - lo) / 15
+        safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+        q = torch.round((blocks - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+        codes = q[..., :16] | (q[..., 16:] << 4)
+        return BlockWeight(codes.contiguous(), scale.contiguous(), lo.contiguous(), 4)
+
+
+# GGUF block layouts: bytes of header (fp16 constants) and whether a min follows the scale.
+_GGUF_LAYOUTS = {"Q4_0": (2, False, 4), "Q4_1": (4, True, 4), "Q8_0": (2, False, 8)}
+
+
+def gguf_block_types() -> set[str]:
+    """Names of the GGUF types kept as blocks."""
+    return set(_GGUF_LAYOUTS)
+
+
+def from_gguf_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> BlockWeight:
+    """A BlockWeight from a GGUF tensor's raw bytes ``(rows, bytes per row)``."""
+    header, has_min, bits = _GGUF_LAYOUTS[type_name]
+    code_bytes = BLOCK * bits // 8
+    blocks = torch.from_numpy(np.array(raw))  # copy: the memmap is read-only
+    blocks = blocks.reshape(rows, cols // BLOCK, header + code_bytes)
+    consts = blocks[..., :header].contiguous().view(torch.float16).float()  # (N, G, 1 or 2)
+    scale = consts[..., 0].contiguous()
+    codes = blocks[..., header:].contiguous()
+    if has_min:  # Q4_1: w = d * q + m
+        return BlockWeight(codes, scale, consts[..., 1].contiguous(), 4)
+    if bits == 4:  # Q4_0: w = d * (q - 8)
+        return BlockWeight(codes, scale, -8 * scale, 4)
+    return BlockWeight(codes, scale, None, 8)  # Q8_0: w = d * q
