@@ -24,18 +24,20 @@ namespace {
 
 template <int BITS>
 inline __m512bh expand(const uint8_t* codes, float scale, float zero) {
-  __m512 lo, hi;
+  const __m512 s = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero);
   if constexpr (BITS == 4) {
+    // The 16 possible weights of the block, rounded to bf16 once, then looked up per code.
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, s, z)));
     const __m128i b = _mm_loadu_si128((const __m128i*)codes);
     const __m128i nib = _mm_set1_epi8(0x0f);
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, nib)));
-    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib)));
+    const __m256i idx8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), nib), _mm_and_si128(b, nib));
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx8), table);
   } else {
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)codes)));
-    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + 16))));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)codes)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + 16))));
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s, z), _mm512_fmadd_ps(lo, s, z));
   }
-  const __m512 s = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero);
-  return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s, z), _mm512_fmadd_ps(lo, s, z));
 }
 
 inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
@@ -90,7 +92,6 @@ void tile(const Args& p, int m0, int n0) {
 }
 
 constexpr int kMR = 8;  // rows of A sharing one expansion of a weight block
-constexpr int kNR = 2;  // weight rows expanded together
 
 constexpr int kMC = 64;  // rows of A kept in cache while every weight strip passes over them
 
@@ -110,8 +111,11 @@ void strip(const Args& p, int m0, int m_end, int n0) {
   }
 }
 
-template <int BITS>
-void gemm(const Args& p) {
+// NR weight rows are expanded together: more independent work per block when few rows of A
+// share it (decode), fewer accumulators when many do. NR never changes the arithmetic of an
+// output element, so choosing it by M keeps rows batch-invariant.
+template <int BITS, int kNR>
+void gemm_nr(const Args& p) {
   const int strips = (p.N + kNR - 1) / kNR;
   const int chunks = (p.M + kMC - 1) / kMC;
 #pragma omp parallel for collapse(2) schedule(static)
@@ -121,8 +125,16 @@ void gemm(const Args& p) {
       if (n0 + kNR <= p.N)
         strip<BITS, kNR>(p, m0, m_end, n0);
       else
-        strip<BITS, 1>(p, m0, m_end, n0);
+        for (int n = n0; n < p.N; ++n) strip<BITS, 1>(p, m0, m_end, n);
     }
+}
+
+template <int BITS>
+void gemm(const Args& p) {
+  if (p.M <= 4)
+    gemm_nr<BITS, 4>(p);
+  else
+    gemm_nr<BITS, 2>(p);
 }
 
 }  // namespace
