@@ -41,7 +41,7 @@ def perplexity(engine: Engine, ids: list[int], window: int) -> float:
                 inp = AttentionInput([len(inputs)], [len(inputs)], [pages])
                 meta = runner.backend.prepare(inp, runner.kv.page_size, runner.device)
                 cos, sin = runner.rotary.lookup(torch.arange(len(inputs)))
-                ctx = ForwardContext(runner.backend, meta, cos, sin, runner.kv)
+                ctx = ForwardContext(runner.backend, meta, runner.ops, cos, sin, runner.kv)
                 hidden = runner.model.forward(torch.tensor(inputs), ctx)
                 logp = runner.model.logits(hidden).log_softmax(-1)
                 nll -= logp.gather(1, targets[:, None]).sum().item()

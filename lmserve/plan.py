@@ -31,9 +31,10 @@ RUNTIME_MARGIN_BYTES = 768 << 20
 RUNTIME_MARGIN_FRACTION = 0.05
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Bytes per weight of each weight format: blocks of 32 codes with float32 scale (and zero for
-# 4-bit). "native" keeps whatever the file has, at most bfloat16, so it is planned as bfloat16.
-_WEIGHT_BYTES = {**_DTYPE_BYTES, "int4": (16 + 8) / 32, "int8": (32 + 4) / 32, "native": 2}
+# Bytes per weight of each weight format. Block formats hold 32 weights (4-bit, 8-bit or bf16
+# codes) with a float32 scale and zero; "native" keeps what the file has, at most bf16 blocks.
+_WEIGHT_BYTES = {"float32": 4, "float16": 2, "bfloat16": (64 + 8) / 32, "int4": (16 + 8) / 32,
+                 "int8": (32 + 8) / 32, "native": (64 + 8) / 32}
 _GiB = 1 << 30
 
 
@@ -67,6 +68,7 @@ class EnginePlan:
     num_pages: int  # pages in the KV pool
     weight_dtype: str  # how matmul weights are held (the opt level's weight format)
     kv_dtype: str
+    act_dtype: str  # dtype of activations entering matmuls
     attention: str  # attention backend
     memory: MemoryPlan
 
@@ -99,7 +101,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     device = device_memory if device_memory is not None else system_memory_bytes()
     util = config.gpu_memory_utilization or DEFAULT_MEMORY_UTILIZATION
     budget = int(util * device)
-    weights = weight_bytes(args, opt.weight_dtype)
+    weights = weight_bytes(args, opt.weight_dtype, opt.act_dtype)
     kv_per_token = (2 * args.num_layers * args.num_kv_heads * args.head_dim
                     * _DTYPE_BYTES[opt.kv_dtype])
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
@@ -128,20 +130,20 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
                         workspace, margin)
     _check(args, memory, total, single, chunk, util)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
-                      opt.weight_dtype, opt.kv_dtype, opt.attention, memory)
+                      opt.weight_dtype, opt.kv_dtype, opt.act_dtype, opt.attention, memory)
 
 
-def weight_bytes(args: ModelArgs, weight_format: str) -> int:
+def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16") -> int:
     """Bytes of the model's weights as the engine holds them: the matmul weights in
-    ``weight_format``, the embedding table dense in the matmul input dtype (a separate copy when
-    the weights are blocks), norms in float32."""
+    ``weight_format``, the embedding table dense in ``act_dtype`` (a separate copy when the
+    weights are blocks), norms in float32."""
     d, hd = args.hidden_size, args.head_dim
     attn = d * (args.num_heads + 2 * args.num_kv_heads) * hd + args.num_heads * hd * d
     mlp = 3 * d * args.intermediate_size
     per_weight = _WEIGHT_BYTES[weight_format]
     embed = args.vocab_size * d
-    dense = weight_format in _DTYPE_BYTES
-    table = embed * (per_weight if dense else 2)
+    dense = weight_format in ("float32", "float16")  # torch tensors; the head shares the table
+    table = embed * (per_weight if dense else _DTYPE_BYTES[act_dtype])
     head = 0 if dense and args.tie_word_embeddings else embed * per_weight
     norms = (2 * args.num_layers + 1) * d
     return int(args.num_layers * (attn + mlp) * per_weight + table + head + norms * 4)

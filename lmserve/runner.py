@@ -13,11 +13,13 @@ from lmserve.scheduler import Batch
 class ModelRunner:
     """Owns the model, the KV tensors and the attention backend; one ``execute`` per step."""
 
-    def __init__(self, model, kv: KVCache, backend: AttentionBackend, max_positions: int,
+    def __init__(self, model, kv: KVCache, backend: AttentionBackend, ops, max_positions: int,
                  device: torch.device) -> None:
+        """``ops``: the element-wise layer ops (``layers.fused.TorchOps`` or ``FusedOps``)."""
         self.model = model
         self.kv = kv
         self.backend = backend
+        self.ops = ops
         self.device = device
         self.rotary = model.rotary(max_positions, device)
 
@@ -43,6 +45,7 @@ class ModelRunner:
         ctx = ForwardContext(
             backend=self.backend,
             attn_meta=self.backend.prepare(attn_in, self.kv.page_size, self.device),
+            ops=self.ops,
             cos=cos,
             sin=sin,
             kv=self.kv,

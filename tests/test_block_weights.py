@@ -30,6 +30,11 @@ def test_gguf_blocks_hold_exactly_the_files_weights(type_name):
     assert torch.equal(blocks.dequantize(), ref)  # float32 scale/zero: no re-rounding
 
 
+def test_bf16_blocks_hold_the_bf16_weights():
+    w = torch.randn(8, 64)
+    assert torch.equal(BlockWeight.quantize(w, 16).dequantize(), w.bfloat16().float())
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantize_rounds_each_weight_to_within_half_a_step(bits):
     w = torch.randn(16, 128)
@@ -55,10 +60,11 @@ def test_block_matmul_matches_dense_with_bf16_weights(type_name, m):
 
 
 @needs_kernel
-def test_block_matmul_rows_do_not_depend_on_the_other_rows():
-    raw, _ = gguf_tensor("Q4_1", 96, 256)
-    layer = BlockLinear(from_gguf_blocks(raw, "Q4_1", 96, 256), None)
-    x = torch.randn(70, 256).bfloat16()
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_block_matmul_rows_do_not_depend_on_the_other_rows(bits, act):
+    layer = BlockLinear(BlockWeight.quantize(torch.randn(96, 256), bits), None)
+    x = torch.randn(70, 256).to(act)
     full = layer(x)
     for m in [1, 2, 7, 8, 9, 16, 33, 64, 65, 70]:
         part = layer(x[:m])
@@ -71,13 +77,15 @@ def test_make_linear_formats():
     raw, dense = gguf_tensor("Q4_1", 32, 64)
     blocks = from_gguf_blocks(raw, "Q4_1", 32, 64)
     other = torch.randn(16, 64)
-    # native: blocks kept when every part is blocks of one width; otherwise dense bf16
+    # native: blocks kept when every part is blocks of one width; otherwise bf16 in the kernel
     fused = make_linear([blocks, blocks], None, "native")
-    assert isinstance(fused, BlockLinear) and fused.w.shape == (64, 64)
+    assert isinstance(fused, BlockLinear) and (fused.n, fused.k, fused.bits) == (64, 64, 4)
     mixed = make_linear([blocks, other], None, "native")
-    assert isinstance(mixed, DenseLinear) and mixed.weight.dtype == torch.bfloat16
+    assert isinstance(mixed, BlockLinear) and mixed.bits == 16
+    # a dense copy only where torch must do it: float32/float16, or K not a multiple of 32
+    assert isinstance(make_linear([torch.randn(8, 48)], None, "native"), DenseLinear)
     # int8: the 4-bit blocks and the dense part are rounded to 8-bit blocks
-    assert make_linear([blocks, other], None, "int8").w.bits == 8
+    assert make_linear([blocks, other], None, "int8").bits == 8
     # dense formats dequantize
     f32 = make_linear([blocks], None, "float32")
     assert torch.equal(f32.weight, dense)
@@ -86,3 +94,20 @@ def test_make_linear_formats():
     x = torch.randn(3, 64).bfloat16()
     with_bias = make_linear([blocks], bias, "native")(x)
     torch.testing.assert_close(with_bias, make_linear([blocks], None, "native")(x) + bias.bfloat16())
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 9])
+def test_float32_activations_keep_about_16_bits(m):
+    """float32 inputs go through the kernel as bf16 hi + lo halves: the result is within 1e-4 of
+    the output scale of a float32 matmul with the (bf16-rounded) weights, ~100x closer than with
+    bf16 inputs, and float32 out."""
+    raw, dense = gguf_tensor("Q4_1", 64, 512, seed=3)
+    layer = BlockLinear(from_gguf_blocks(raw, "Q4_1", 64, 512), None)
+    x = torch.randn(m, 512)
+    ref = x @ dense.bfloat16().float().T
+    out = layer(x)
+    assert out.dtype == torch.float32
+    err32 = (out - ref).abs().max() / ref.abs().max()
+    err16 = (layer(x.bfloat16()).float() - ref).abs().max() / ref.abs().max()
+    assert err32 < 1e-4 and err32 * 20 < err16

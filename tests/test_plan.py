@@ -86,7 +86,7 @@ def test_weight_and_kv_bytes_follow_the_model_and_opt():
     args = _args()
     # Per layer: q,k,v,o = 64*(4+2+2)*16 + 64*64 = 12288, mlp 3*64*128 = 24576; embed + head.
     matrices = 2 * (12288 + 24576) + 2 * 256 * 64
-    assert weight_bytes(args, "bfloat16") == matrices * 2 + 5 * 64 * 4
+    assert weight_bytes(args, "float16") == matrices * 2 + 5 * 64 * 4
     # int4 blocks: 16 bytes of codes + float32 scale and zero per 32 weights; the embedding
     # table stays dense bfloat16 for the lookup, the head is blocks.
     layers = 2 * (12288 + 24576)
@@ -95,12 +95,13 @@ def test_weight_and_kv_bytes_follow_the_model_and_opt():
     bf16 = make_plan(EngineConfig(opt="O1"), args, device_memory=16 * GiB).memory
     assert f32.kv_per_token == 2 * 2 * 2 * 16 * 4 == 2 * bf16.kv_per_token
     assert f32.weights == weight_bytes(args, "float32") and bf16.weights == weight_bytes(args, "bfloat16")
+    assert weight_bytes(args, "bfloat16") == layers * 2.25 + 256 * 64 * (2 + 2.25) + 5 * 64 * 4
 
 
 def test_server_mode_fills_the_budget_with_kv():
     args = _args(2048)
     kv_per_token = 2 * 2 * 2 * 16 * 2
-    fixed = (weight_bytes(args, "native") + RUNTIME_MARGIN_BYTES
+    fixed = (weight_bytes(args, "native", "float32") + RUNTIME_MARGIN_BYTES
              + workspace_bytes(args, SERVER_BATCH, 2048, 2048, kv_per_token))
     device = 2 * (fixed + 100_008 * kv_per_token)  # KV for 100_008 tokens at utilization 0.5
     plan = make_plan(EngineConfig(mode="server", gpu_memory_utilization=0.5), args,
@@ -144,7 +145,7 @@ def test_a_plan_over_the_budget_is_refused():
 def test_server_kv_too_small_for_one_sequence_is_refused():
     # Leaves room for a few hundred tokens only: less than one 2048-token sequence.
     args = _args(2048)
-    fixed = (weight_bytes(args, "native") + RUNTIME_MARGIN_BYTES
+    fixed = (weight_bytes(args, "native", "float32") + RUNTIME_MARGIN_BYTES
              + workspace_bytes(args, 1, 2048, 2048, 2 * 2 * 2 * 16 * 2))
     device = int((fixed + 300 * 256) / 0.85) + 1
     with pytest.raises(ValueError, match="fewer than one sequence of max_single_sequence_length=2048"):

@@ -17,6 +17,7 @@ from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
+from lmserve.layers.fused import FusedOps, TorchOps
 from lmserve.layers.linear import DENSE_FORMATS, resolve_weight_format
 from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
 from lmserve.models.registry import model_class
@@ -59,7 +60,8 @@ class EngineCore:
 
         weight_format = resolve_weight_format(opt.weight_dtype)
         weights = load_weights(path, keep_blocks=weight_format not in DENSE_FORMATS)
-        model = model_class(self.args.architecture)(self.args, weights, weight_format)
+        model = model_class(self.args.architecture)(self.args, weights, weight_format,
+                                                     _DTYPES[opt.act_dtype])
         del weights
         self.tokenizer = Tokenizer.from_model(path)
 
@@ -72,7 +74,11 @@ class EngineCore:
                                    plan.prefill_chunk_size, config.prefill_mode, self.prefix_cache)
         shape = AttentionShape(a.num_heads, a.num_kv_heads, a.head_dim)
         backend = resolve_attention(opt.attention, shape, _DTYPES[opt.kv_dtype])
-        self.runner = ModelRunner(model, kv, create_backend(backend, shape),
+        # cpu_paged means lmserve's C++ kernels throughout: attention and the element-wise ops.
+        ops = TorchOps()
+        if backend == "cpu_paged":
+            ops = FusedOps.create() or ops
+        self.runner = ModelRunner(model, kv, create_backend(backend, shape), ops,
                                   plan.max_single_sequence_length, self.device)
         self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
         self.requests: dict[str, Request] = {}

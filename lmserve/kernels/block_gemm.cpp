@@ -1,5 +1,5 @@
 // Matrix multiply with weights kept in GGUF-style blocks of 32 (4-bit or 8-bit codes with a
-// float32 scale and zero per block): C (M, N) = A (M, K) @ W (N, K)^T, A in bf16.
+// float32 scale and zero per block, or plain bf16): C (M, N) = A (M, K) @ W (N, K)^T.
 //
 // Each block of 32 weights is expanded in registers to bf16 (w = code * scale + zero, one
 // rounding) and multiplied with AVX-512 BF16 dot products (vdpbf16ps) into 16 float32 lanes,
@@ -10,17 +10,22 @@
 // the same way whatever M is and whichever tile shape computes it, so a token's row is
 // bit-identical alone or in a batch of any size (greedy output must not depend on batch company).
 //
-// Layouts: codes (N, K/32, 16) uint8 for 4-bit (byte i: low nibble = weight i, high = weight
-// i+16, as GGUF Q4_0/Q4_1 store them) or (N, K/32, 32) int8 for 8-bit (as GGUF Q8_0);
-// scale and zero (N, K/32) float32 (zero may be null: no offset).
-#include <immintrin.h>
+// Layouts: weight rows are interleaved in groups of 4 (N padded to a multiple of 4), so a strip
+// of 4 rows streams through one contiguous run of memory:
+//   codes   (N/4, K/32, 4, 16) uint8 for 4-bit (byte i: low nibble = weight i, high = weight
+//           i+16, as GGUF Q4_0/Q4_1 store a block), (N/4, K/32, 4, 32) int8 for 8-bit (Q8_0),
+//           or (N/4, K/32, 4, 64) bytes of bf16 weights (scale and zero unused)
+//   consts  (N/4, K/32, 2, 4) float32: the 4 rows' scales, then their zeros.
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "simd.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace {
+
+using namespace lm;
 
 template <int BITS>
 inline __m512bh expand(const uint8_t* codes, float scale, float zero) {
@@ -33,6 +38,8 @@ inline __m512bh expand(const uint8_t* codes, float scale, float zero) {
     const __m128i nib = _mm_set1_epi8(0x0f);
     const __m256i idx8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), nib), _mm_and_si128(b, nib));
     return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx8), table);
+  } else if constexpr (BITS == 16) {  // plain bf16 weights: nothing to expand
+    return (__m512bh)_mm512_loadu_si512(codes);
   } else {
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)codes)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + 16))));
@@ -40,73 +47,111 @@ inline __m512bh expand(const uint8_t* codes, float scale, float zero) {
   }
 }
 
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fff + ((u >> 16) & 1);
-  return (uint16_t)(u >> 16);
-}
-
 struct Args {
   const uint16_t* a;
+  const uint16_t* a_lo;  // null, or the bf16 remainder a_f32 - a of float32 activations
   const uint8_t* codes;
-  const float* scale;
-  const float* zero;
+  const float* consts;
   void* c;
   bool out_bf16;
   int M, N, K;
 };
 
-// C[m0 : m0+MR, n0 : n0+NR]
+constexpr int kPack = 4;  // weight rows interleaved in memory
+
+// Expanded block g of weight row n.
+template <int BITS>
+inline __m512bh block(const Args& p, int n, int g) {
+  const int64_t at = ((int64_t)(n / kPack) * (p.K / 32) + g);
+  const float* c = p.consts + at * 2 * kPack + n % kPack;
+  return expand<BITS>(p.codes + (at * kPack + n % kPack) * (BITS * 4), c[0], c[kPack]);
+}
+
+// reduce16 of 16 vectors at once (out[n] = reduce16(v[n]), same additions in the same order),
+// by pairing vectors at each level of the tree instead of reducing each one alone.
+inline __m512 reduce16x16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int j = 0; j < 8; ++j)  // lanes: v[2j] i and i+8 summed | v[2j+1] likewise
+    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)  // 128-bit lane L: vector 4j+L, i and i+4 summed
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j)  // i and i+2 summed
+    w[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // z[4L + e] is the sum of v[4e + L]; put it at position 4e + L.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+inline void store(const Args& p, int m, int n, float v) {
+  const int64_t at = (int64_t)m * p.N + n;
+  if (p.out_bf16)
+    ((uint16_t*)p.c)[at] = f32_to_bf16(v);
+  else
+    ((float*)p.c)[at] = v;
+}
+
+// C[m0 : m0+MR, n0 : n0+NR]. Weight blocks come from `expanded` (NR x G, already bf16) when
+// given, else are expanded here; either way they are the same bf16 values.
 template <int BITS, int MR, int NR>
-void tile(const Args& p, int m0, int n0) {
-  constexpr int BYTES = BITS * 4;  // bytes of codes per block of 32
+void tile(const Args& p, int m0, int n0, const __m512bh* expanded) {
   const int G = p.K / 32;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
-  const uint8_t* codes = p.codes + (int64_t)n0 * G * BYTES;
-  const float* scale = p.scale + (int64_t)n0 * G;
-  const float* zero = p.zero ? p.zero + (int64_t)n0 * G : nullptr;
-  const uint16_t* a = p.a + (int64_t)m0 * p.K;
   for (int g = 0; g < G; ++g) {
     __m512bh w[NR];
-    for (int r = 0; r < NR; ++r)
-      w[r] = expand<BITS>(codes + ((int64_t)r * G + g) * BYTES, scale[r * G + g],
-                          zero ? zero[r * G + g] : 0.f);
+    for (int r = 0; r < NR; ++r) w[r] = expanded ? expanded[r * G + g] : block<BITS>(p, n0 + r, g);
     for (int i = 0; i < MR; ++i) {
-      const __m512bh x = (__m512bh)_mm512_loadu_si512(a + (int64_t)i * p.K + g * 32);
+      const int64_t at = (int64_t)(m0 + i) * p.K + g * 32;
+      const __m512bh x = (__m512bh)_mm512_loadu_si512(p.a + at);
       for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], x, w[r]);
+      if (p.a_lo) {
+        const __m512bh lo = (__m512bh)_mm512_loadu_si512(p.a_lo + at);
+        for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], lo, w[r]);
+      }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) {
-      const float v = _mm512_reduce_add_ps(acc[i][r]);
-      const int64_t at = (int64_t)(m0 + i) * p.N + n0 + r;
-      if (p.out_bf16)
-        ((uint16_t*)p.c)[at] = f32_to_bf16(v);
-      else
-        ((float*)p.c)[at] = v;
-    }
+  if constexpr (MR * NR == 16) {
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, reduce16x16(&acc[0][0]));
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r) store(p, m0 + i, n0 + r, sums[i * NR + r]);
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r) store(p, m0 + i, n0 + r, reduce16(acc[i][r]));
+  }
 }
 
-constexpr int kMR = 8;  // rows of A sharing one expansion of a weight block
-
+constexpr int kMR = 8;  // rows of A per tile
 constexpr int kMC = 64;  // rows of A kept in cache while every weight strip passes over them
 
-// Rows [m0, m_end) of the NR columns starting at n0.
+// Rows [m0, m_end) of the NR columns starting at n0. With more than one tile of rows, the
+// strip's blocks are expanded once into a buffer that every tile reads.
 template <int BITS, int NR>
 void strip(const Args& p, int m0, int m_end, int n0) {
-  for (; m0 + kMR <= m_end; m0 += kMR) tile<BITS, kMR, NR>(p, m0, n0);
+  const __m512bh* expanded = nullptr;
+  if (m_end - m0 > kMR) {
+    const int G = p.K / 32;
+    thread_local std::vector<__m512bh> buffer;
+    buffer.resize((size_t)NR * G);
+    for (int r = 0; r < NR; ++r)
+      for (int g = 0; g < G; ++g) buffer[r * G + g] = block<BITS>(p, n0 + r, g);
+    expanded = buffer.data();
+  }
+  for (; m0 + kMR <= m_end; m0 += kMR) tile<BITS, kMR, NR>(p, m0, n0, expanded);
   switch (m_end - m0) {
-    case 7: tile<BITS, 7, NR>(p, m0, n0); break;
-    case 6: tile<BITS, 6, NR>(p, m0, n0); break;
-    case 5: tile<BITS, 5, NR>(p, m0, n0); break;
-    case 4: tile<BITS, 4, NR>(p, m0, n0); break;
-    case 3: tile<BITS, 3, NR>(p, m0, n0); break;
-    case 2: tile<BITS, 2, NR>(p, m0, n0); break;
-    case 1: tile<BITS, 1, NR>(p, m0, n0); break;
+    case 7: tile<BITS, 7, NR>(p, m0, n0, expanded); break;
+    case 6: tile<BITS, 6, NR>(p, m0, n0, expanded); break;
+    case 5: tile<BITS, 5, NR>(p, m0, n0, expanded); break;
+    case 4: tile<BITS, 4, NR>(p, m0, n0, expanded); break;
+    case 3: tile<BITS, 3, NR>(p, m0, n0, expanded); break;
+    case 2: tile<BITS, 2, NR>(p, m0, n0, expanded); break;
+    case 1: tile<BITS, 1, NR>(p, m0, n0, expanded); break;
     default: break;
   }
 }
@@ -141,14 +186,32 @@ void gemm(const Args& p) {
 
 extern "C" {
 
-// bits: 4 or 8. K must be a multiple of 32.
-void lm_block_gemm(const uint16_t* a, const uint8_t* codes, const float* scale, const float* zero,
-                   void* c, int out_bf16, int M, int N, int K, int bits, int threads) {
+// C (M, N) = A (M, K) @ W^T for W in blocks of `bits` (4, 8, or 16: bf16); K a multiple of 32.
+// A is bf16 (a_f32 = 0), or float32 (a_f32 = 1), multiplied as two bf16 halves (hi + lo), which
+// keeps about 16 bits of each activation at twice the dot-product work.
+void lm_block_gemm(const void* a, int a_f32, const uint8_t* codes, const float* consts, void* c,
+                   int out_bf16, int M, int N, int K, int bits, int threads) {
   omp_set_num_threads(threads);
-  const Args p{a, codes, scale, zero, c, out_bf16 != 0, M, N, K};
+  std::vector<uint16_t> hi, lo;
+  Args p{(const uint16_t*)a, nullptr, codes, consts, c, out_bf16 != 0, M, N, K};
+  if (a_f32) {
+    const int64_t n = (int64_t)M * K;
+    hi.resize(n);
+    lo.resize(n);
+    const float* x = (const float*)a;
+#pragma omp parallel for schedule(static) if (n > 32768)
+    for (int64_t i = 0; i < n; ++i) {
+      hi[i] = f32_to_bf16(x[i]);
+      lo[i] = f32_to_bf16(x[i] - bf16_to_f32(hi[i]));
+    }
+    p.a = hi.data();
+    p.a_lo = lo.data();
+  }
   if (bits == 4)
     gemm<4>(p);
-  else
+  else if (bits == 8)
     gemm<8>(p);
+  else
+    gemm<16>(p);
 }
 }

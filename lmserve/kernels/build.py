@@ -61,7 +61,8 @@ def load_kernel_library(name: str) -> Optional[ctypes.CDLL]:
     if reason:
         logger.info("C++ kernel %s unavailable: %s; using the torch path", name, reason)
         return None
-    source = (_SOURCE_DIR / f"{name}.cpp").read_bytes()
+    source = (_SOURCE_DIR / f"{name}.cpp").read_bytes() + b"".join(
+        h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h")))
     key = hashlib.sha256(source + " ".join(_FLAGS).encode()
                          + " ".join(sorted(_cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"

@@ -18,10 +18,12 @@ BLOCK = 32
 
 @dataclass
 class BlockWeight:
-    codes: torch.Tensor  # (N, K/32, 16) uint8 (4-bit: low nibble = weight i, high = i+16) or (N, K/32, 32) int8 as uint8
+    # (N, K/32, 16) uint8 (4-bit: low nibble = weight i, high = i+16), (N, K/32, 32) int8 as
+    # uint8, or (N, K/32, 64) bytes of bf16 weights (16-bit: the weights themselves, scale 1)
+    codes: torch.Tensor
     scale: torch.Tensor  # (N, K/32) float32
     zero: Optional[torch.Tensor]  # (N, K/32) float32, or None for no offset
-    bits: int  # 4 or 8
+    bits: int  # 4, 8 or 16
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -29,6 +31,8 @@ class BlockWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The weights as a float32 ``(N, K)`` tensor."""
+        if self.bits == 16:
+            return self.codes.view(torch.bfloat16).float().reshape(self.shape)
         if self.bits == 4:
             lo, hi = self.codes & 0x0F, self.codes >> 4
             q = torch.cat([lo, hi], dim=-1).float()  # (N, G, 32)
@@ -59,8 +63,11 @@ class BlockWeight:
     @staticmethod
     def quantize(w: torch.Tensor, bits: int) -> BlockWeight:
         """Round a dense ``(N, K)`` weight to blocks: 4-bit with min/max per block (like Q4_1),
-        8-bit symmetric (like Q8_0)."""
+        8-bit symmetric (like Q8_0), or 16-bit: bfloat16."""
         n, k = w.shape
+        if bits == 16:
+            codes = w.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(n, k // BLOCK, 2 * BLOCK)
+            return BlockWeight(codes, torch.ones(n, k // BLOCK), None, 16)
         blocks = w.float().reshape(n, k // BLOCK, BLOCK)
         if bits == 8:
             scale = blocks.abs().amax(-1) / 127

@@ -8,6 +8,7 @@ token's result does not depend on its batch company.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from typing import Optional, Union
 
@@ -21,20 +22,20 @@ logger = logging.getLogger("lmserve")
 
 Weight = Union[torch.Tensor, BlockWeight]
 DENSE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BLOCK_FORMATS = {"int4": 4, "int8": 8}
-WEIGHT_FORMATS = (*DENSE_FORMATS, *BLOCK_FORMATS, "native")
+BLOCK_FORMATS = {"int4": 4, "int8": 8, "bfloat16": 16}
 
 
 def _library() -> Optional[ctypes.CDLL]:
     lib = load_kernel_library("block_gemm")
     if lib is not None and not getattr(lib, "_lmserve_typed", False):
         P, I = ctypes.c_void_p, ctypes.c_int  # noqa: E741
-        lib.lm_block_gemm.argtypes = [P, P, P, P, P, I, I, I, I, I, I]
+        lib.lm_block_gemm.argtypes = [P, I, P, P, P, I, I, I, I, I, I]
         lib.lm_block_gemm.restype = None
         lib._lmserve_typed = True
     return lib
 
 
+@functools.cache
 def block_kernel_unavailable() -> Optional[str]:
     """Why block weights cannot be used on this machine, or None."""
     reason = why_unavailable()
@@ -51,32 +52,53 @@ class DenseLinear:
         self.bias = None if bias is None else bias.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
 class BlockLinear:
-    """``y = x @ W^T + b`` with W in 32-wide blocks of 4- or 8-bit codes; bfloat16 in and out."""
+    """``y = x @ W^T + b`` with W in 32-wide blocks of 4- or 8-bit codes.
+
+    bfloat16 ``x`` gives a bfloat16 result; float32 ``x`` is multiplied as two bfloat16 halves
+    (about 16 significant bits, twice the dot-product work) and gives a float32 result.
+    """
 
     def __init__(self, weight: BlockWeight, bias: Optional[torch.Tensor]):
         self.lib = _library()
         if self.lib is None:
             raise RuntimeError("the C++ block kernel is not available on this machine")
-        self.w = weight
+        self.bits = weight.bits
         self.n, self.k = weight.shape
-        self.bias = None if bias is None else bias.to(torch.bfloat16)
+        self.codes, self.consts = pack_rows(weight)
+        self.bias = None if bias is None else bias.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16).contiguous()
+        if x.dtype != torch.float32:
+            x = x.to(torch.bfloat16)
+        x = x.contiguous()
         m = x.shape[0]  # (M, K)
-        out = torch.empty(m, self.n, dtype=torch.bfloat16)
-        zero = self.w.zero.data_ptr() if self.w.zero is not None else None
-        self.lib.lm_block_gemm(x.data_ptr(), self.w.codes.data_ptr(), self.w.scale.data_ptr(), zero,
-                               out.data_ptr(), 1, m, self.n, self.k, self.w.bits,
+        out = torch.empty(m, self.n, dtype=x.dtype)
+        f32 = x.dtype == torch.float32
+        self.lib.lm_block_gemm(x.data_ptr(), int(f32), self.codes.data_ptr(), self.consts.data_ptr(),
+                               out.data_ptr(), int(not f32), m, self.n, self.k, self.bits,
                                torch.get_num_threads())
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
 Linear = Union[DenseLinear, BlockLinear]
+
+PACK = 4  # weight rows the kernel interleaves in memory (kPack in block_gemm.cpp)
+
+
+def pack_rows(w: BlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's layout: rows in groups of 4 interleaved block by block (N padded to a
+    multiple of 4), so a strip of 4 rows is one contiguous stream. Returns codes
+    ``(N/4, G, 4, bytes)`` and consts ``(N/4, G, 2, 4)`` (the 4 scales, then the 4 zeros)."""
+    n, g = w.scale.shape
+    pad = -n % PACK
+    zero = w.zero if w.zero is not None else torch.zeros_like(w.scale)
+    codes = F.pad(w.codes, (0, 0, 0, 0, 0, pad)).view((n + pad) // PACK, PACK, g, -1)
+    consts = F.pad(torch.stack([w.scale, zero]), (0, 0, 0, pad)).view(2, (n + pad) // PACK, PACK, g)
+    return codes.transpose(1, 2).contiguous(), consts.permute(1, 3, 0, 2).contiguous()
 
 
 def _dense(parts: list[Weight]) -> torch.Tensor:
@@ -89,19 +111,22 @@ def make_linear(parts: list[Weight], bias: Optional[torch.Tensor], fmt: str) -> 
     """One linear layer from the weights ``parts`` stacked along the output dimension (fused
     q/k/v or gate/up), held as ``fmt`` says:
 
-    - ``float32``/``bfloat16``/``float16``: dense, dequantized from blocks if need be;
-    - ``native``: the file's 4-bit/8-bit blocks as they are; other weights dense bfloat16;
+    - ``float32``/``float16``: dense torch tensors, dequantized from blocks if need be;
+    - ``bfloat16``: bf16 weights in the block kernel (its rows are batch-invariant; oneDNN's
+      bf16 matmul is not for every shape);
+    - ``native``: the file's 4-bit/8-bit blocks as they are; other weights bfloat16;
     - ``int4``/``int8``: blocks, re-rounding weights the file does not have in that many bits.
+
+    Without the kernel (``resolve_weight_format`` maps block formats to bfloat16 then), or when
+    the input size is not a multiple of 32, the weights are dense torch tensors.
     """
-    if fmt in DENSE_FORMATS:
-        return DenseLinear(_dense(parts), bias, DENSE_FORMATS[fmt])
-    if parts[0].shape[1] % BLOCK:
-        return DenseLinear(_dense(parts), bias, torch.bfloat16)
+    if fmt in ("float32", "float16") or parts[0].shape[1] % BLOCK or block_kernel_unavailable():
+        return DenseLinear(_dense(parts), bias, DENSE_FORMATS.get(fmt, torch.bfloat16))
     if fmt == "native":
         blocks = [p for p in parts if isinstance(p, BlockWeight)]
         if len(blocks) == len(parts) and len({p.bits for p in blocks}) == 1:
             return BlockLinear(BlockWeight.cat(blocks), bias)
-        return DenseLinear(_dense(parts), bias, torch.bfloat16)
+        fmt = "bfloat16"
     bits = BLOCK_FORMATS[fmt]
     blocks = [p if isinstance(p, BlockWeight) and p.bits == bits else BlockWeight.quantize(_dense([p]), bits)
               for p in parts]
@@ -110,7 +135,7 @@ def make_linear(parts: list[Weight], bias: Optional[torch.Tensor], fmt: str) -> 
 
 def resolve_weight_format(fmt: str) -> str:
     """``fmt``, or bfloat16 (logged) when it needs the block kernel and that is unavailable here."""
-    if fmt in DENSE_FORMATS:
+    if fmt in ("float32", "bfloat16", "float16"):
         return fmt
     reason = block_kernel_unavailable()
     if reason is None:

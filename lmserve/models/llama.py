@@ -7,14 +7,15 @@ attention backend knows which tokens belong to which sequence and where their KV
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from lmserve.attention.base import AttentionBackend
 from lmserve.cache.kv import KVCache
 from lmserve.layers.blocks import BlockWeight
-from lmserve.layers.linear import DENSE_FORMATS, Weight, make_linear
+from lmserve.layers.fused import FusedOps, TorchOps
+from lmserve.layers.linear import Weight, make_linear
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.args import ModelArgs
 
@@ -25,15 +26,10 @@ class ForwardContext:
 
     backend: AttentionBackend
     attn_meta: object
+    ops: Union[TorchOps, FusedOps]  # residual add + RMSNorm, SiLU * up
     cos: torch.Tensor  # (T, hd)
     sin: torch.Tensor  # (T, hd)
     kv: KVCache
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """RMSNorm of the float32 residual stream, returned in the matmuls' dtype."""
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * x).to(out_dtype)
 
 
 class LlamaLayer:
@@ -61,27 +57,31 @@ class LlamaLayer:
         self.dtype = dtype
         self.eps = args.rms_norm_eps
 
-    def __call__(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
-        qkv = self.qkv(rms_norm(x, self.norm1, self.eps, self.dtype))
+    def __call__(self, x: torch.Tensor, delta: Optional[torch.Tensor], ctx: ForwardContext,
+                 layer: int) -> torch.Tensor:
+        """Add the previous sublayer's output ``delta`` to the residual ``x`` (T, D) in place, run
+        the block, and return its MLP output, which the next norm adds in turn."""
+        ops = ctx.ops
+        qkv = self.qkv(ops.add_rms_norm(x, delta, self.norm1, self.eps, self.dtype))
         attn = ctx.backend.forward(
             ctx.attn_meta, qkv, ctx.cos, ctx.sin, ctx.kv.k[layer], ctx.kv.v[layer]
         )  # (T, H * hd)
-        x = x + self.o(attn).float()
-
-        h = rms_norm(x, self.norm2, self.eps, self.dtype)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up).float()
+        h = ops.add_rms_norm(x, self.o(attn), self.norm2, self.eps, self.dtype)
+        return self.down(ops.silu_mul(self.gate_up(h)))
 
 
 class LlamaModel:
     """The whole decoder: embedding, layers, final norm and the language-model head."""
 
-    def __init__(self, args: ModelArgs, weights: dict[str, Weight], weight_format: str):
-        """``weight_format``: how matmul weights are held, see ``make_linear``."""
+    def __init__(self, args: ModelArgs, weights: dict[str, Weight], weight_format: str,
+                 act_dtype: torch.dtype):
+        """``weight_format``: how matmul weights are held, see ``make_linear``; ``act_dtype``:
+        the dtype of activations entering the matmuls."""
         self.args = args
-        self.dtype = DENSE_FORMATS.get(weight_format, torch.bfloat16)  # matmul input dtype
+        self.dtype = act_dtype
         embed = weights["model.embed_tokens.weight"]
-        self.embed = (embed.dequantize() if isinstance(embed, BlockWeight) else embed).to(self.dtype)  # (V, D)
+        dense_embed = embed.dequantize() if isinstance(embed, BlockWeight) else embed
+        self.embed = dense_embed.to(act_dtype)  # (V, D), looked up by token id
         self.layers = [
             LlamaLayer(args, weights, f"model.layers.{i}.", weight_format, self.dtype)
             for i in range(args.num_layers)
@@ -91,6 +91,9 @@ class LlamaModel:
         if head is None or args.tie_word_embeddings:
             head = embed
         self.lm_head = make_linear([head], None, weight_format)
+        if head is embed and getattr(self.lm_head, "weight", None) is not None \
+                and self.lm_head.weight.dtype == act_dtype:
+            self.embed = self.lm_head.weight  # tied and dense in the same dtype: one copy
 
     def rotary(self, max_positions: int, device: torch.device) -> RotaryEmbedding:
         a = self.args
@@ -99,10 +102,11 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states ``(T, D)`` after the final norm for the flat batch ``input_ids (T,)``."""
-        x = self.embed[input_ids].float()  # (T, D)
+        x = self.embed[input_ids].float()  # (T, D) float32 residual stream, updated in place
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, i)
-        return rms_norm(x, self.norm, self.args.rms_norm_eps, self.dtype)
+            delta = layer(x, delta, ctx, i)
+        return ctx.ops.add_rms_norm(x, delta, self.norm, self.args.rms_norm_eps, self.dtype)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

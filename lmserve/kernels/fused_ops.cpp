@@ -1,0 +1,84 @@
+// Element-wise steps of a decoder layer fused into one pass each, so a decode step does not pay
+// a handful of torch dispatches per layer for a few thousand numbers:
+//   lm_add_rms_norm: x += delta (the previous sublayer's output); out = rms_norm(x) * weight
+//   lm_silu_mul:     out = silu(gate) * up for the fused gate/up projection output
+// Rows are independent and computed the same way whatever the number of rows.
+#include <omp.h>
+
+#include <cmath>
+
+#include "simd.h"
+
+namespace {
+
+using namespace lm;
+
+template <typename In, typename Out>
+void add_rms_norm(float* x, const In* delta, const float* weight, float eps, Out* out, int T, int D) {
+#pragma omp parallel for schedule(static) if ((int64_t)T * D > 65536)
+  for (int t = 0; t < T; ++t) {
+    float* row = x + (int64_t)t * D;
+    if (delta) {
+      const In* d = delta + (int64_t)t * D;
+      for (int i = 0; i < D; ++i) row[i] += to_f32(d[i]);
+    }
+    __m512 sq = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= D; i += 16) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      sq = _mm512_fmadd_ps(v, v, sq);
+    }
+    float sum = reduce16(sq);
+    for (; i < D; ++i) sum += row[i] * row[i];
+    const float r = 1.0f / std::sqrt(sum / D + eps);
+    Out* o = out + (int64_t)t * D;
+    for (int j = 0; j < D; ++j) store_elem(o + j, weight[j] * (row[j] * r));
+  }
+}
+
+template <typename In, typename Out>
+void silu_mul(const In* gate_up, Out* out, int T, int F) {
+#pragma omp parallel for schedule(static) if ((int64_t)T * F > 65536)
+  for (int t = 0; t < T; ++t) {
+    const In* g = gate_up + (int64_t)t * 2 * F;
+    const In* u = g + F;
+    Out* o = out + (int64_t)t * F;
+    int i = 0;
+    for (; i + 16 <= F; i += 16) {
+      const __m512 gv = load16(g + i);
+      const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      alignas(64) float r[16];
+      _mm512_store_ps(r, _mm512_mul_ps(s, load16(u + i)));
+      for (int j = 0; j < 16; ++j) store_elem(o + i + j, r[j]);
+    }
+    for (; i < F; ++i) {
+      const float gv = to_f32(g[i]);
+      store_elem(o + i, gv / (1.f + std::exp(-gv)) * to_f32(u[i]));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// delta may be null; delta_bf16 / out_bf16 pick bf16 (1) or float32 (0).
+void lm_add_rms_norm(float* x, const void* delta, int delta_bf16, const float* weight, float eps,
+                     void* out, int out_bf16, int T, int D, int threads) {
+  omp_set_num_threads(threads);
+  if (delta_bf16) {
+    if (out_bf16) add_rms_norm(x, (const uint16_t*)delta, weight, eps, (uint16_t*)out, T, D);
+    else add_rms_norm(x, (const uint16_t*)delta, weight, eps, (float*)out, T, D);
+  } else {
+    if (out_bf16) add_rms_norm(x, (const float*)delta, weight, eps, (uint16_t*)out, T, D);
+    else add_rms_norm(x, (const float*)delta, weight, eps, (float*)out, T, D);
+  }
+}
+
+// gate_up (T, 2F) -> out (T, F), same dtype (bf16 when bf16 = 1, else float32).
+void lm_silu_mul(const void* gate_up, void* out, int bf16, int T, int F, int threads) {
+  omp_set_num_threads(threads);
+  if (bf16) silu_mul((const uint16_t*)gate_up, (uint16_t*)out, T, F);
+  else silu_mul((const float*)gate_up, (float*)out, T, F);
+}
+}
