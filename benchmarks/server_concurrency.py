@@ -60,6 +60,8 @@ def main() -> None:
                             "--num-prompts", str(max(64, 2 * c)), "--random-input-len", "261",
                             "--random-output-len", "128", "--random-range-ratio", "0",
                             "--ignore-eos", "--max-concurrency", str(c), "--no-progress",
+                            # new prompts for every run: the prefix cache must not serve them
+                            "--seed", str(c),
                             "--result-file", result_file], check=True, stdout=subprocess.DEVNULL)
             with open(result_file) as f:
                 r = json.load(f)

@@ -36,22 +36,24 @@ ActDtype = Literal["float32", "bfloat16"]
 class OptFlags:
     """The optimisation knobs an ``opt`` string resolves to."""
 
-    # How matmul weights are held: dense in a float dtype; "native" keeps a GGUF file's Q4_0 /
-    # Q4_1 / Q8_0 blocks as they are (other weights bfloat16); "int4"/"int8" round every weight
-    # to 32-wide blocks of that many bits.
+    # How matmul weights are held: float32/float16 dense (torch matmul); bfloat16 in the block
+    # kernel; "native" keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks as they are (other weights
+    # bfloat16); "int4"/"int8" round every weight to 32-wide blocks of that many bits.
     weight_dtype: WeightFormat = "float32"
     kv_dtype: Dtype = "float32"  # dtype of the paged KV cache
     # dtype of the activations entering matmuls. With block weights, float32 is multiplied as two
     # bfloat16 halves: about 16 significant bits, at twice the dot-product work.
     act_dtype: ActDtype = "float32"
-    attention: AttentionKernel = "torch_native"  # the attention backend (lmserve.attention)
+    # torch_native: torch ops throughout. cpu_paged: lmserve's C++ kernels for attention and the
+    # element-wise layer ops (residual + RMSNorm, SiLU * up).
+    attention: AttentionKernel = "torch_native"
     compile: bool = False  # torch.compile the model forward
 
 
 # The one place that says what each level means; change a preset here and nowhere else.
 # O0 is the full-precision reference path: float32 weights, activations and KV, torch attention.
 # From O1 on the KV cache is bfloat16 and attention runs in the C++ paged kernel. O1 holds the
-# weights dense in bfloat16 (bf16 activations); O2 (the default) multiplies a GGUF file's own
+# weights in bfloat16 (bf16 activations); O2 (the default) multiplies a GGUF file's own
 # 4-/8-bit blocks (no re-rounding) with float32 activations, which keeps greedy output close to
 # O0; O3 rounds activations to bfloat16: up to twice the matmul speed, greedy output diverges
 # from O0 sooner. (weight_dtype=int4 rounds every weight to 4 bits: for files that are not

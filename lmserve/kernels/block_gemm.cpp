@@ -67,26 +67,6 @@ inline __m512bh block(const Args& p, int n, int g) {
   return expand<BITS>(p.codes + (at * kPack + n % kPack) * (BITS * 4), c[0], c[kPack]);
 }
 
-// reduce16 of 16 vectors at once (out[n] = reduce16(v[n]), same additions in the same order),
-// by pairing vectors at each level of the tree instead of reducing each one alone.
-inline __m512 reduce16x16(const __m512* v) {
-  __m512 t[8], u[4], w[2];
-  for (int j = 0; j < 8; ++j)  // lanes: v[2j] i and i+8 summed | v[2j+1] likewise
-    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
-  for (int j = 0; j < 4; ++j)  // 128-bit lane L: vector 4j+L, i and i+4 summed
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
-                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
-  for (int j = 0; j < 2; ++j)  // i and i+2 summed
-    w[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  // z[4L + e] is the sum of v[4e + L]; put it at position 4e + L.
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, z);
-}
-
 inline void store(const Args& p, int m, int n, float v) {
   const int64_t at = (int64_t)m * p.N + n;
   if (p.out_bf16)

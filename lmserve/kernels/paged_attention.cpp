@@ -23,13 +23,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace {
 
 using namespace lm;
 
 constexpr int kMaxD = 256;      // head_dim limit (multiple of 16)
-constexpr int kMaxGroup = 16;   // query heads per KV head limit
+constexpr int kMaxGroup = 16;   // query heads per KV head limit (kMaxRows below)
 
 // Rotate one head (rotate-half layout) and write it to dst.
 template <typename Src, typename Dst>
@@ -62,61 +63,78 @@ void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const in
   }
 }
 
-// Attention of the G query heads sharing KV head `kvh` for one token, over keys [0, n_keys).
+constexpr int kMaxRows = 16;  // query rows (tokens x heads of one KV head) sharing a key block
+
+// Attention of the rows of `tokens` consecutive tokens of one sequence (token i sees keys
+// [0, ctx[i])) and the G query heads sharing KV head `kvh`. Each key block of 16 is widened to
+// float32 once and used by every row; a row's arithmetic is the same as if it were alone.
 template <typename Cache, typename Out>
-void attend_row(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages, int n_keys,
-                int kvh, int G, int KVH, int D, int page_size, float scale, Out* out) {
-  float m[kMaxGroup], l[kMaxGroup];
-  alignas(64) float acc[kMaxGroup][kMaxD];
-  alignas(64) float s[kMaxGroup][16];
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-    memset(acc[g], 0, sizeof(float) * D);
+void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages,
+                  const int32_t* ctx, int tokens, int kvh, int G, int H, int KVH, int D,
+                  int page_size, float scale, Out* out) {
+  const int R = tokens * G;  // rows: token-major, then head
+  float m[kMaxRows], l[kMaxRows];
+  alignas(64) float acc[kMaxRows][kMaxD];
+  alignas(64) float kf[16][kMaxD], vf[16][kMaxD];
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    memset(acc[r], 0, sizeof(float) * D);
   }
   const int DV = D / 16;
-  // Keys come in blocks of at most 16, aligned to absolute positions, so the order of every
-  // floating-point operation depends only on this token's context length.
+  const int n_keys = ctx[tokens - 1];  // the last token sees the most keys
+  // Blocks are aligned to absolute key positions, so the order of every floating-point
+  // operation of a row depends only on that row's context length.
   for (int start = 0; start < n_keys; start += 16) {
     const int n = std::min(16, n_keys - start);
-    const Cache* krow[16];
-    const Cache* vrow[16];
-    for (int j = 0; j < n; ++j) {
-      const int pos = start + j;
-      const int64_t slot = (int64_t)pages[pos / page_size] * page_size + pos % page_size;
-      krow[j] = kc + (slot * KVH + kvh) * D;
-      vrow[j] = vc + (slot * KVH + kvh) * D;
-    }
-    for (int g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      for (int j = 0; j < n; ++j) {
-        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(krow[j]));
-        for (int d = 1; d < DV; ++d)
-          sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * d), load16(krow[j] + 16 * d), sum);
-        s[g][j] = _mm512_reduce_add_ps(sum) * scale;
+    for (int j = 0; j < 16; ++j) {
+      if (j < n) {
+        const int pos = start + j;
+        const int64_t slot = (int64_t)pages[pos / page_size] * page_size + pos % page_size;
+        const Cache* kr = kc + (slot * KVH + kvh) * D;
+        const Cache* vr = vc + (slot * KVH + kvh) * D;
+        for (int d = 0; d < DV; ++d) {
+          _mm512_store_ps(kf[j] + 16 * d, load16(kr + 16 * d));
+          _mm512_store_ps(vf[j] + 16 * d, load16(vr + 16 * d));
+        }
+      } else {
+        memset(kf[j], 0, sizeof(float) * D);
       }
-      for (int j = n; j < 16; ++j) s[g][j] = -INFINITY;
-      __m512 sv = _mm512_load_ps(s[g]);
-      const float block_max = _mm512_reduce_max_ps(sv);
-      const float m_new = std::max(m[g], block_max);
-      __m512 p = exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new)));
-      p = _mm512_maskz_mov_ps((__mmask16)((1u << n) - 1), p);
-      const float alpha = m[g] == -INFINITY ? 0.f : std::exp(m[g] - m_new);
-      l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
-      m[g] = m_new;
+    }
+    for (int r = 0; r < R; ++r) {
+      const int t = r / G;
+      const int n_row = std::min(16, ctx[t] - start);  // keys of this block the row sees
+      if (n_row <= 0) continue;
+      const float* qr = q + ((int64_t)t * H + r % G) * D;
+      __m512 dots[16];
+      for (int j = 0; j < 16; ++j) {
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_load_ps(kf[j]));
+        for (int d = 1; d < DV; ++d)
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * d), _mm512_load_ps(kf[j] + 16 * d), sum);
+        dots[j] = sum;
+      }
+      const __mmask16 live = (__mmask16)((1u << n_row) - 1);
+      const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
+                                           _mm512_mul_ps(reduce16x16(dots), _mm512_set1_ps(scale)));
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(sv));
+      const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+      const float alpha = m[r] == -INFINITY ? 0.f : std::exp(m[r] - m_new);
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(p);
+      m[r] = m_new;
       alignas(64) float pj[16];
       _mm512_store_ps(pj, p);
       for (int d = 0; d < DV; ++d) {
-        __m512 a = _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * d), _mm512_set1_ps(alpha));
-        for (int j = 0; j < n; ++j)
-          a = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), load16(vrow[j] + 16 * d), a);
-        _mm512_store_ps(acc[g] + 16 * d, a);
+        __m512 a = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * d), _mm512_set1_ps(alpha));
+        for (int j = 0; j < n_row; ++j)
+          a = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), _mm512_load_ps(vf[j] + 16 * d), a);
+        _mm512_store_ps(acc[r] + 16 * d, a);
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const float inv = 1.f / l[g];
-    for (int i = 0; i < D; ++i) store_elem(out + g * D + i, acc[g][i] * inv);
+  for (int r = 0; r < R; ++r) {
+    const float inv = 1.f / l[r];
+    Out* o = out + ((int64_t)(r / G) * H + r % G) * D;
+    for (int i = 0; i < D; ++i) store_elem(o + i, acc[r][i] * inv);
   }
 }
 
@@ -125,12 +143,25 @@ void attention(const float* q, const Cache* kc, const Cache* vc, const int32_t* 
                const int64_t* page_off, const int32_t* ctx, Out* out, int T, int H, int KVH, int D,
                int page_size, float scale) {
   const int G = H / KVH;
-  // Rows are independent, so how they are spread over threads cannot change their results.
+  const int max_tokens = std::max(1, kMaxRows / G);
+  // Groups of consecutive tokens of one sequence (a prefill chunk), each token one more key.
+  std::vector<int> group_start;
+  for (int t = 0; t < T; ++t) {
+    const int s = group_start.empty() ? -1 : group_start.back();
+    if (s < 0 || t - s >= max_tokens || page_off[t] != page_off[s] || ctx[t] != ctx[t - 1] + 1)
+      group_start.push_back(t);
+  }
+  const int groups = (int)group_start.size();
+  group_start.push_back(T);
+  // Rows are independent, so how they are grouped or spread over threads cannot change them.
 #pragma omp parallel for schedule(dynamic, 1) collapse(2)
-  for (int t = 0; t < T; ++t)
-    for (int kvh = 0; kvh < KVH; ++kvh)
-      attend_row(q + ((int64_t)t * H + kvh * G) * D, kc, vc, pages + page_off[t], ctx[t], kvh, G,
-                 KVH, D, page_size, scale, out + ((int64_t)t * H + kvh * G) * D);
+  for (int i = 0; i < groups; ++i)
+    for (int kvh = 0; kvh < KVH; ++kvh) {
+      const int t = group_start[i];
+      attend_group(q + ((int64_t)t * H + kvh * G) * D, kc, vc, pages + page_off[t], ctx + t,
+                   group_start[i + 1] - t, kvh, G, H, KVH, D, page_size, scale,
+                   out + ((int64_t)t * H + kvh * G) * D);
+    }
 }
 
 template <typename QKV, typename Cache, typename Out>

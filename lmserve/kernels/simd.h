@@ -55,13 +55,33 @@ inline __m512 exp16(__m512 x) {
 }
 
 // The sum of 16 lanes in one fixed order (halves, quarters, pairs: the order GCC's
-// _mm512_reduce_add_ps uses), written out so block_gemm's reduce16x16 can match it bit for bit.
+// _mm512_reduce_add_ps uses), written out so reduce16x16 can match it bit for bit.
 inline float reduce16(__m512 v) {
   const __m256 t3 = _mm256_add_ps(_mm512_castps512_ps256(v),
                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   const __m128 t6 = _mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));
   const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
+// reduce16 of 16 vectors at once (out[n] = reduce16(v[n]), same additions in the same order),
+// by pairing vectors at each level of the tree instead of reducing each one alone.
+inline __m512 reduce16x16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int j = 0; j < 8; ++j)  // lanes: v[2j] i and i+8 summed | v[2j+1] likewise
+    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)  // 128-bit lane L: vector 4j+L, i and i+4 summed
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
+  for (int j = 0; j < 2; ++j)  // i and i+2 summed
+    w[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // z[4L + e] is the sum of v[4e + L]; put it at position 4e + L.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
 }
 
 }  // namespace lm
