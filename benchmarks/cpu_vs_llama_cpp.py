@@ -72,7 +72,9 @@ def llama_cpp_run(prompt_len: int, decode: int, repeats: int, vocab: int) -> tup
         prefill_s = time.perf_counter() - start
         decode_s = 0.0
         for _ in range(decode):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            # the last token's logits, read in place (llama-cpp-python keeps none without logits_all)
+            logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+            token = int(np.argmax(logits))
             start = time.perf_counter()
             llm.eval([token])
             decode_s += time.perf_counter() - start

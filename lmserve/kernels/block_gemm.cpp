@@ -4,7 +4,7 @@
 // Each block of 32 weights is expanded in registers to bf16 (w = code * scale + zero, one
 // rounding) and multiplied with AVX-512 BF16 dot products (vdpbf16ps) into 16 float32 lanes,
 // then summed once at the end. Memory traffic is the packed codes (0.5 or 1 byte a weight), which
-// is what decode is bound by; prefill reuses each expanded block across up to 8 rows of A.
+// is what decode is bound by; prefill expands a strip of blocks once and reuses it in tiles.
 //
 // Every output element C[m, n] is accumulated over the K blocks in the same order and reduced
 // the same way whatever M is and whichever tile shape computes it, so a token's row is
@@ -78,14 +78,15 @@ inline void store(const Args& p, int m, int n, float v) {
 // C[m0 : m0+MR, n0 : n0+NR]. Weight blocks come from `expanded` (NR x G, already bf16) when
 // given, else are expanded here; either way they are the same bf16 values.
 template <int BITS, int MR, int NR>
-void tile(const Args& p, int m0, int n0, const __m512bh* expanded) {
+void tile(const Args& p, int m0, int n0, const uint16_t* expanded) {
   const int G = p.K / 32;
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
   for (int g = 0; g < G; ++g) {
     __m512bh w[NR];
-    for (int r = 0; r < NR; ++r) w[r] = expanded ? expanded[r * G + g] : block<BITS>(p, n0 + r, g);
+    for (int r = 0; r < NR; ++r) w[r] = expanded ? (__m512bh)_mm512_loadu_si512(expanded + (r * G + g) * 32)
+                             : block<BITS>(p, n0 + r, g);
     for (int i = 0; i < MR; ++i) {
       const int64_t at = (int64_t)(m0 + i) * p.K + g * 32;
       const __m512bh x = (__m512bh)_mm512_loadu_si512(p.a + at);
@@ -107,24 +108,12 @@ void tile(const Args& p, int m0, int n0, const __m512bh* expanded) {
   }
 }
 
-constexpr int kMR = 8;  // rows of A per tile
 constexpr int kMC = 64;  // rows of A kept in cache while every weight strip passes over them
 
-// Rows [m0, m_end) of the NR columns starting at n0. With more than one tile of rows, the
-// strip's blocks are expanded once into a buffer that every tile reads.
+// The last rows < MR of a strip, one tile.
 template <int BITS, int NR>
-void strip(const Args& p, int m0, int m_end, int n0) {
-  const __m512bh* expanded = nullptr;
-  if (m_end - m0 > kMR) {
-    const int G = p.K / 32;
-    thread_local std::vector<__m512bh> buffer;
-    buffer.resize((size_t)NR * G);
-    for (int r = 0; r < NR; ++r)
-      for (int g = 0; g < G; ++g) buffer[r * G + g] = block<BITS>(p, n0 + r, g);
-    expanded = buffer.data();
-  }
-  for (; m0 + kMR <= m_end; m0 += kMR) tile<BITS, kMR, NR>(p, m0, n0, expanded);
-  switch (m_end - m0) {
+void tail(const Args& p, int m0, int rows, int n0, const uint16_t* expanded) {
+  switch (rows) {
     case 7: tile<BITS, 7, NR>(p, m0, n0, expanded); break;
     case 6: tile<BITS, 6, NR>(p, m0, n0, expanded); break;
     case 5: tile<BITS, 5, NR>(p, m0, n0, expanded); break;
@@ -136,30 +125,50 @@ void strip(const Args& p, int m0, int m_end, int n0) {
   }
 }
 
-// NR weight rows are expanded together: more independent work per block when few rows of A
-// share it (decode), fewer accumulators when many do. NR never changes the arithmetic of an
-// output element, so choosing it by M keeps rows batch-invariant.
-template <int BITS, int kNR>
-void gemm_nr(const Args& p) {
-  const int strips = (p.N + kNR - 1) / kNR;
+// Rows [m0, m_end) of the NR columns starting at n0, in tiles of MR rows. With more than one
+// tile of rows, the strip's blocks are expanded once into a buffer that every tile reads.
+template <int BITS, int MR, int NR>
+void strip(const Args& p, int m0, int m_end, int n0) {
+  const uint16_t* expanded = nullptr;
+  if (m_end - m0 > MR) {
+    const int G = p.K / 32;
+    thread_local std::vector<uint16_t> buffer;  // NR x G blocks of 32 bf16
+    buffer.resize((size_t)NR * G * 32);
+    for (int r = 0; r < NR; ++r)
+      for (int g = 0; g < G; ++g)
+        _mm512_storeu_si512(buffer.data() + (r * G + g) * 32, (__m512i)block<BITS>(p, n0 + r, g));
+    expanded = buffer.data();
+  }
+  for (; m0 + MR <= m_end; m0 += MR) tile<BITS, MR, NR>(p, m0, n0, expanded);
+  tail<BITS, NR>(p, m0, m_end - m0, n0, expanded);
+}
+
+// Tiles of MR x NR outputs. NR weight rows are expanded together: more independent work per
+// block when few rows of A share it (decode). Tile shapes never change the arithmetic of an
+// output element, so choosing them by M keeps rows batch-invariant.
+template <int BITS, int MR, int NR>
+void gemm_tiles(const Args& p) {
+  const int strips = (p.N + NR - 1) / NR;
   const int chunks = (p.M + kMC - 1) / kMC;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int c = 0; c < chunks; ++c)
     for (int s = 0; s < strips; ++s) {
-      const int n0 = s * kNR, m0 = c * kMC, m_end = std::min(p.M, m0 + kMC);
-      if (n0 + kNR <= p.N)
-        strip<BITS, kNR>(p, m0, m_end, n0);
+      const int n0 = s * NR, m0 = c * kMC, m_end = std::min(p.M, m0 + kMC);
+      if (n0 + NR <= p.N)
+        strip<BITS, MR, NR>(p, m0, m_end, n0);
       else
-        for (int n = n0; n < p.N; ++n) strip<BITS, 1>(p, m0, m_end, n);
+        for (int n = n0; n < p.N; ++n) strip<BITS, MR, 1>(p, m0, m_end, n);
     }
 }
 
 template <int BITS>
 void gemm(const Args& p) {
   if (p.M <= 4)
-    gemm_nr<BITS, 4>(p);
+    gemm_tiles<BITS, 4, 4>(p);
+  else if (p.a_lo)  // two loads of A per block and row: fewer rows per tile, more columns
+    gemm_tiles<BITS, 4, 4>(p);
   else
-    gemm_nr<BITS, 2>(p);
+    gemm_tiles<BITS, 8, 2>(p);
 }
 
 }  // namespace
