@@ -41,9 +41,12 @@ class OptFlags:
     # bfloat16); "int4"/"int8" round every weight to 32-wide blocks of that many bits.
     weight_dtype: WeightFormat = "float32"
     kv_dtype: Dtype = "float32"  # dtype of the paged KV cache
-    # dtype of the activations entering matmuls. With block weights, float32 is multiplied as two
-    # bfloat16 halves: about 16 significant bits, at twice the dot-product work.
+    # dtype of the activations entering the attention projections (q/k/v, o) and the head. With
+    # block weights, float32 is multiplied as two bfloat16 halves: about 16 significant bits, at
+    # twice the dot-product work.
     act_dtype: ActDtype = "float32"
+    # the same for the MLP (gate/up, down: three quarters of a layer's weights); None = act_dtype
+    mlp_act_dtype: Optional[ActDtype] = None
     # torch_native: torch ops throughout. cpu_paged: lmserve's C++ kernels for attention and the
     # element-wise layer ops (residual + RMSNorm, SiLU * up).
     attention: AttentionKernel = "torch_native"
@@ -54,9 +57,9 @@ class OptFlags:
 # O0 is the full-precision reference path: float32 weights, activations and KV, torch attention.
 # From O1 on the KV cache is bfloat16 and attention runs in the C++ paged kernel. O1 holds the
 # weights in bfloat16 (bf16 activations); O2 (the default) multiplies a GGUF file's own
-# 4-/8-bit blocks (no re-rounding) with float32 activations, which keeps greedy output close to
-# O0; O3 rounds activations to bfloat16: up to twice the matmul speed, greedy output diverges
-# from O0 sooner. (weight_dtype=int4 rounds every weight to 4 bits: for files that are not
+# 4-/8-bit blocks (no re-rounding) with float32 activations into the attention projections and
+# the head and bfloat16 ones into the MLP, which keeps greedy output close to O0 at most of O3's
+# speed; O3 rounds all activations to bfloat16, and greedy output diverges from O0 sooner. (weight_dtype=int4 rounds every weight to 4 bits: for files that are not
 # 4-bit already.)
 # Every level computes each token the same way whatever its batch company, so greedy output does
 # not depend on batching.
@@ -64,7 +67,7 @@ _BF16 = "bfloat16"
 OPT_LEVELS: dict[str, OptFlags] = {
     "O0": OptFlags(),
     "O1": OptFlags(weight_dtype=_BF16, kv_dtype=_BF16, act_dtype=_BF16, attention="cpu_paged"),
-    "O2": OptFlags(weight_dtype="native", kv_dtype=_BF16, attention="cpu_paged"),
+    "O2": OptFlags(weight_dtype="native", kv_dtype=_BF16, mlp_act_dtype=_BF16, attention="cpu_paged"),
     "O3": OptFlags(weight_dtype="native", kv_dtype=_BF16, act_dtype=_BF16, attention="cpu_paged"),
 }
 DEFAULT_OPT_LEVEL = "O2"  # what ``opt=None`` means
@@ -77,6 +80,7 @@ _KNOB_VALUES: dict[str, dict[str, Any]] = {
     "weight_dtype": {**_DTYPE_ALIASES, **{f: f for f in get_args(WeightFormat)}},
     "kv_dtype": _DTYPE_ALIASES,
     "act_dtype": {k: v for k, v in _DTYPE_ALIASES.items() if v != "float16"},
+    "mlp_act_dtype": {k: v for k, v in _DTYPE_ALIASES.items() if v != "float16"},
     "attention": {a: a for a in get_args(AttentionKernel)},
     "compile": {"0": False, "1": True, "false": False, "true": True},
 }

@@ -68,7 +68,8 @@ class EnginePlan:
     num_pages: int  # pages in the KV pool
     weight_dtype: str  # how matmul weights are held (the opt level's weight format)
     kv_dtype: str
-    act_dtype: str  # dtype of activations entering matmuls
+    act_dtype: str  # dtype of activations entering the attention projections and the head
+    mlp_act_dtype: str  # ... entering the MLP
     attention: str  # attention backend
     memory: MemoryPlan
 
@@ -130,7 +131,8 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
                         workspace, margin)
     _check(args, memory, total, single, chunk, util)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
-                      opt.weight_dtype, opt.kv_dtype, opt.act_dtype, opt.attention, memory)
+                      opt.weight_dtype, opt.kv_dtype, opt.act_dtype,
+                      opt.mlp_act_dtype or opt.act_dtype, opt.attention, memory)
 
 
 def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16") -> int:

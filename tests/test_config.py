@@ -191,19 +191,19 @@ def test_default_opt_is_level_o2():
     assert parse_opt(None) == parse_opt("") == parse_opt("O2") == OPT_LEVELS["O2"]
 
 
-def _flags(weights, kv, attention="cpu_paged", compile=False, act=None):
+def _flags(weights, kv, attention="cpu_paged", compile=False, act=None, mlp="bfloat16"):
     act = act or ("float32" if weights in ("native", "float32") else "bfloat16")
-    return OptFlags(weight_dtype=weights, kv_dtype=kv, act_dtype=act, attention=attention,
-                    compile=compile)
+    return OptFlags(weight_dtype=weights, kv_dtype=kv, act_dtype=act, mlp_act_dtype=mlp,
+                    attention=attention, compile=compile)
 
 
 @pytest.mark.parametrize(
     "level, expected",
     [
-        ("O0", _flags("float32", "float32", "torch_native")),
-        ("O1", _flags("bfloat16", "bfloat16")),
+        ("O0", _flags("float32", "float32", "torch_native", mlp=None)),
+        ("O1", _flags("bfloat16", "bfloat16", mlp=None)),
         ("O2", _flags("native", "bfloat16")),
-        ("O3", _flags("native", "bfloat16", act="bfloat16")),
+        ("O3", _flags("native", "bfloat16", act="bfloat16", mlp=None)),
     ],
 )
 def test_levels(level, expected):
@@ -219,10 +219,11 @@ def test_levels(level, expected):
         ("compile=1", _flags("native", "bfloat16", compile=True)),
         ("compile=true", _flags("native", "bfloat16", compile=True)),
         ("O2;kv_dtype=float32", _flags("native", "float32")),
-        (" O0 ; weight_dtype = float16 ; ", _flags("float16", "float32", "torch_native", act="float32")),
+        ("O2;mlp_act_dtype=fp32", _flags("native", "bfloat16", mlp="float32")),
+        (" O0 ; weight_dtype = float16 ; ", _flags("float16", "float32", "torch_native", act="float32", mlp=None)),
         # the spelling: short dtype names
         ("weight_dtype=int4;kv_dtype=bf16;compile=1", _flags("int4", "bfloat16", compile=True, act="float32")),
-        ("O0;attention=cpu_paged;weight_dtype=int8", _flags("int8", "float32", act="float32")),
+        ("O0;attention=cpu_paged;weight_dtype=int8", _flags("int8", "float32", act="float32", mlp=None)),
         ("O2;act_dtype=bf16", _flags("native", "bfloat16", act="bfloat16")),
     ],
 )
@@ -234,7 +235,7 @@ def test_knobs_adjust_the_level(opt, expected):
     "opt, pieces",
     [
         ("O7", ["'O7'", "O0, O1, O2, O3"]),
-        ("fast=1", ["'fast'", "act_dtype, attention, compile, kv_dtype, weight_dtype"]),
+        ("fast=1", ["'fast'", "act_dtype, attention, compile, kv_dtype, mlp_act_dtype, weight_dtype"]),
         ("act_dtype=float16", ["'float16'", "'act_dtype'"]),
         ("compile=yes", ["'yes'", "'compile'", "0, 1, false, true"]),
         ("weight_dtype=int3", ["'int3'", "'weight_dtype'", "bfloat16", "int8, int4, native"]),

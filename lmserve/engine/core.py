@@ -60,8 +60,9 @@ class EngineCore:
 
         weight_format = resolve_weight_format(opt.weight_dtype)
         weights = load_weights(path, keep_blocks=weight_format not in DENSE_FORMATS)
-        model = model_class(self.args.architecture)(self.args, weights, weight_format,
-                                                     _DTYPES[opt.act_dtype])
+        model = model_class(self.args.architecture)(
+            self.args, weights, weight_format, _DTYPES[opt.act_dtype],
+            _DTYPES[opt.mlp_act_dtype or opt.act_dtype])
         del weights
         self.tokenizer = Tokenizer.from_model(path)
 

@@ -39,7 +39,8 @@ class LlamaLayer:
     path, bfloat16 on the fast ones), so rounding does not pile up over the layers.
     """
 
-    def __init__(self, args: ModelArgs, w: dict[str, Weight], prefix: str, fmt: str, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, w: dict[str, Weight], prefix: str, fmt: str, dtype: torch.dtype,
+                 mlp_dtype: torch.dtype):
         def get(name: str) -> Weight:
             return w[prefix + name]
 
@@ -54,7 +55,8 @@ class LlamaLayer:
         self.down = make_linear([get("mlp.down_proj.weight")], None, fmt)
         self.norm1 = get("input_layernorm.weight").float()
         self.norm2 = get("post_attention_layernorm.weight").float()
-        self.dtype = dtype
+        self.dtype = dtype  # into q/k/v (and so into o: attention returns qkv's dtype)
+        self.mlp_dtype = mlp_dtype  # into gate/up (and so into down)
         self.eps = args.rms_norm_eps
 
     def __call__(self, x: torch.Tensor, delta: Optional[torch.Tensor], ctx: ForwardContext,
@@ -66,7 +68,7 @@ class LlamaLayer:
         attn = ctx.backend.forward(
             ctx.attn_meta, qkv, ctx.cos, ctx.sin, ctx.kv.k[layer], ctx.kv.v[layer]
         )  # (T, H * hd)
-        h = ops.add_rms_norm(x, self.o(attn), self.norm2, self.eps, self.dtype)
+        h = ops.add_rms_norm(x, self.o(attn), self.norm2, self.eps, self.mlp_dtype)
         return self.down(ops.silu_mul(self.gate_up(h)))
 
 
@@ -74,16 +76,18 @@ class LlamaModel:
     """The whole decoder: embedding, layers, final norm and the language-model head."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, Weight], weight_format: str,
-                 act_dtype: torch.dtype):
+                 act_dtype: torch.dtype, mlp_act_dtype: Optional[torch.dtype] = None):
         """``weight_format``: how matmul weights are held, see ``make_linear``; ``act_dtype``:
-        the dtype of activations entering the matmuls."""
+        the dtype of activations entering the attention projections and the head;
+        ``mlp_act_dtype``: entering the MLP (None: act_dtype)."""
         self.args = args
         self.dtype = act_dtype
         embed = weights["model.embed_tokens.weight"]
         dense_embed = embed.dequantize() if isinstance(embed, BlockWeight) else embed
         self.embed = dense_embed.to(act_dtype)  # (V, D), looked up by token id
         self.layers = [
-            LlamaLayer(args, weights, f"model.layers.{i}.", weight_format, self.dtype)
+            LlamaLayer(args, weights, f"model.layers.{i}.", weight_format, self.dtype,
+                       mlp_act_dtype or self.dtype)
             for i in range(args.num_layers)
         ]
         self.norm = weights["model.norm.weight"].float()
