@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from lmserve.attention.base import AttentionBackend, AttentionInput, AttentionShape, register_backend
-from lmserve.kernels.build import load_kernel_library
+from lmserve.kernels.build import load_kernel_library, why_unavailable
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -32,8 +32,6 @@ def _library() -> Optional[ctypes.CDLL]:
 
 def why_unsupported(shape: AttentionShape, kv_dtype: torch.dtype) -> Optional[str]:
     """Why the kernel cannot serve this model and cache, or None if it can."""
-    from lmserve.kernels.build import why_unavailable
-
     if shape.head_dim % 16 or shape.head_dim > 256:
         return f"head_dim {shape.head_dim} is not a multiple of 16 up to 256"
     if shape.num_heads // shape.num_kv_heads > 16:

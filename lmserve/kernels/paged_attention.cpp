@@ -30,7 +30,6 @@ namespace {
 using namespace lm;
 
 constexpr int kMaxD = 256;      // head_dim limit (multiple of 16)
-constexpr int kMaxGroup = 16;   // query heads per KV head limit (kMaxRows below)
 
 // Rotate one head (rotate-half layout) and write it to dst.
 template <typename Src, typename Dst>
@@ -63,7 +62,8 @@ void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const in
   }
 }
 
-constexpr int kMaxRows = 16;  // query rows (tokens x heads of one KV head) sharing a key block
+constexpr int kMaxRows = 16;  // query rows (tokens x heads of one KV head) sharing a key block;
+                              // so at most 16 query heads per KV head (checked in cpu_paged.py)
 
 // Attention of the rows of `tokens` consecutive tokens of one sequence (token i sees keys
 // [0, ctx[i])) and the G query heads sharing KV head `kvh`. Each key block of 16 is widened to
@@ -176,9 +176,6 @@ void run(const void* qkv, const float* cos, const float* sin, const int64_t* slo
 }  // namespace
 
 extern "C" {
-
-int lm_max_head_dim() { return kMaxD; }
-int lm_max_group() { return kMaxGroup; }
 
 // bf16: bit 0 = qkv is bf16, bit 1 = caches are bf16, bit 2 = out is bf16 (else fp32).
 void lm_paged_attention(const void* qkv, const float* cos, const float* sin, const int64_t* slots,
