@@ -107,12 +107,13 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
                     * _DTYPE_BYTES[opt.kv_dtype])
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
     context = args.context_length
+    gathers_kv = opt.attention == "torch_native"
 
     if mode == "server":
         batch = _given_or(config.max_num_sequence, SERVER_BATCH)
         chunk = _given_or(config.prefill_chunk_size, min(context, SERVER_CHUNK))
         single = _given_or(config.max_single_sequence_length, context)
-        workspace = workspace_bytes(args, batch, chunk, single, kv_per_token)
+        workspace = workspace_bytes(args, batch, chunk, single, kv_per_token, gathers_kv)
         room = budget - weights - workspace - margin
         # Whole pages only; more KV than every sequence at full length could never be used.
         page_bytes = config.kv_cache_page_size * kv_per_token
@@ -123,7 +124,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         total = _given_or(config.max_total_sequence_length, context)
         single = _given_or(config.max_single_sequence_length, min(context, total))
         chunk = _given_or(config.prefill_chunk_size, min(context, total))
-        workspace = workspace_bytes(args, batch, chunk, single, kv_per_token)
+        workspace = workspace_bytes(args, batch, chunk, single, kv_per_token, gathers_kv)
 
     page = config.kv_cache_page_size
     num_pages = -(-total // page)  # ceil: the last page may be partly used
@@ -151,20 +152,22 @@ def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16
     return int(args.num_layers * (attn + mlp) * per_weight + table + head + norms * 4)
 
 
-def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per_token: int) -> int:
+def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per_token: int,
+                    gathers_kv: bool = True) -> int:
     """Peak bytes of one step's temporaries beyond the weights and the KV pool.
 
     A step holds at most ``max(chunk, batch)`` tokens: their float32 activations (residual,
     q/k/v, the gate/up product, with one spare copy each), the logits of up to ``batch`` rows with
-    the sampler's copies, and the float32 KV that decode attention gathers for one layer at a time
-    (at worst ``batch`` sequences padded to ``single`` tokens).
+    the sampler's copies, and, when attention ``gathers_kv`` (the torch path), the float32 KV that
+    decode attention gathers for one layer at a time (at worst ``batch`` sequences padded to
+    ``single`` tokens). The C++ paged kernel reads the pages in place.
     """
     tokens = max(chunk, batch)
     qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
     activations = 2 * tokens * (4 * args.hidden_size + qkv + 2 * args.intermediate_size) * 4
     logits = 4 * batch * args.vocab_size * 4
     per_layer_kv = kv_per_token // args.num_layers  # keys and values of one token, one layer
-    gather = 3 * batch * single * per_layer_kv  # the gathered pages plus their float32 copy
+    gather = 3 * batch * single * per_layer_kv if gathers_kv else 0  # pages + float32 copy
     return activations + logits + gather
 
 
