@@ -24,7 +24,6 @@ from typing import (  # noqa: UP035  (List / Tuple: the seed's spelling of the f
 )
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
 WeightFormat = Literal["float32", "bfloat16", "float16", "int8", "int4", "native"]

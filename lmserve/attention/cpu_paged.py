@@ -17,17 +17,12 @@ import torch
 from lmserve.attention.base import AttentionBackend, AttentionInput, AttentionShape, register_backend
 from lmserve.kernels.build import load_kernel_library, why_unavailable
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int
+_P, _I = ctypes.c_void_p, ctypes.c_int
 
 
 def _library() -> Optional[ctypes.CDLL]:
-    lib = load_kernel_library("paged_attention")
-    if lib is not None and not getattr(lib, "_lmserve_typed", False):
-        lib.lm_paged_attention.argtypes = [_P] * 11 + [_I] * 5 + [ctypes.c_float, _I, _I]
-        lib.lm_paged_attention.restype = None
-        lib._lmserve_typed = True
-    return lib
+    return load_kernel_library(
+        "paged_attention", {"lm_paged_attention": [_P] * 11 + [_I] * 5 + [ctypes.c_float, _I, _I]})
 
 
 def why_unsupported(shape: AttentionShape, kv_dtype: torch.dtype) -> Optional[str]:

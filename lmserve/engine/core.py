@@ -18,7 +18,7 @@ from lmserve.cache.radix import RadixCache
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
 from lmserve.layers.fused import FusedOps, TorchOps
-from lmserve.layers.linear import DENSE_FORMATS, resolve_weight_format
+from lmserve.layers.linear import FLOAT_DTYPES, resolve_weight_format
 from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
 from lmserve.models.registry import model_class
 from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
@@ -33,8 +33,6 @@ from lmserve.support import check_supported
 from lmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmserve")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -59,22 +57,22 @@ class EngineCore:
         self.device = torch.device("cpu")
 
         weight_format = resolve_weight_format(opt.weight_dtype)
-        weights = load_weights(path, keep_blocks=weight_format not in DENSE_FORMATS)
+        weights = load_weights(path, keep_blocks=weight_format not in FLOAT_DTYPES)
         model = model_class(self.args.architecture)(
-            self.args, weights, weight_format, _DTYPES[opt.act_dtype],
-            _DTYPES[opt.mlp_act_dtype or opt.act_dtype])
+            self.args, weights, weight_format, FLOAT_DTYPES[opt.act_dtype],
+            FLOAT_DTYPES[opt.mlp_act_dtype or opt.act_dtype])
         del weights
         self.tokenizer = Tokenizer.from_model(path)
 
         a, plan = self.args, self.plan
         kv = KVCache(a.num_layers, plan.num_pages, plan.page_size, a.num_kv_heads, a.head_dim,
-                     _DTYPES[opt.kv_dtype], self.device)
+                     FLOAT_DTYPES[opt.kv_dtype], self.device)
         self.pool = PagePool(plan.num_pages)
         self.prefix_cache = self._make_prefix_cache(config, plan)
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_sequence,
                                    plan.prefill_chunk_size, config.prefill_mode, self.prefix_cache)
         shape = AttentionShape(a.num_heads, a.num_kv_heads, a.head_dim)
-        backend = resolve_attention(opt.attention, shape, _DTYPES[opt.kv_dtype])
+        backend = resolve_attention(opt.attention, shape, FLOAT_DTYPES[opt.kv_dtype])
         # cpu_paged means lmserve's C++ kernels throughout: attention and the element-wise ops.
         ops = TorchOps()
         if backend == "cpu_paged":

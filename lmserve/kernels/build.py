@@ -54,9 +54,20 @@ def why_unavailable() -> Optional[str]:
     return None
 
 
+def load_kernel_library(name: str, signatures: dict[str, list]) -> Optional[ctypes.CDLL]:
+    """Build (once) and load ``<name>.cpp`` from this package, its C functions typed with
+    ``signatures`` (function name -> ctypes argument types; they return nothing); None if that
+    is not possible."""
+    lib = _load(name)
+    if lib is not None:
+        for function, argtypes in signatures.items():
+            getattr(lib, function).argtypes = argtypes
+            getattr(lib, function).restype = None
+    return lib
+
+
 @functools.cache
-def load_kernel_library(name: str) -> Optional[ctypes.CDLL]:
-    """Build (once) and load ``<name>.cpp`` from this package; None if that is not possible."""
+def _load(name: str) -> Optional[ctypes.CDLL]:
     reason = why_unavailable()
     if reason:
         logger.info("C++ kernel %s unavailable: %s; using the torch path", name, reason)

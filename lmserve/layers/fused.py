@@ -36,13 +36,14 @@ class FusedOps:
     @staticmethod
     def create() -> Optional[FusedOps]:
         """The fused ops, or None (logged by the loader) where the kernel cannot be built."""
-        lib = load_kernel_library("fused_ops")
+        P, I = ctypes.c_void_p, ctypes.c_int  # noqa: E741
+        lib = load_kernel_library("fused_ops", {
+            "lm_add_rms_norm": [P, P, I, P, ctypes.c_float, P, I, I, I, I],
+            "lm_silu_mul": [P, P, I, I, I, I],
+        })
         return None if lib is None else FusedOps(lib)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        P, I = ctypes.c_void_p, ctypes.c_int  # noqa: E741
-        lib.lm_add_rms_norm.argtypes = [P, P, I, P, ctypes.c_float, P, I, I, I, I]
-        lib.lm_silu_mul.argtypes = [P, P, I, I, I, I]
         self.lib = lib
 
     def add_rms_norm(self, x, delta, weight, eps, out_dtype):

@@ -21,18 +21,15 @@ from lmserve.layers.blocks import BLOCK, BlockWeight
 logger = logging.getLogger("lmserve")
 
 Weight = Union[torch.Tensor, BlockWeight]
-DENSE_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Weight formats that are plain float dtypes (the weights are loaded dequantized); also the map
+# from a dtype's name in ``opt`` to the torch dtype.
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BLOCK_FORMATS = {"int4": 4, "int8": 8, "bfloat16": 16}
 
 
 def _library() -> Optional[ctypes.CDLL]:
-    lib = load_kernel_library("block_gemm")
-    if lib is not None and not getattr(lib, "_lmserve_typed", False):
-        P, I = ctypes.c_void_p, ctypes.c_int  # noqa: E741
-        lib.lm_block_gemm.argtypes = [P, I, P, P, P, I, I, I, I, I, I]
-        lib.lm_block_gemm.restype = None
-        lib._lmserve_typed = True
-    return lib
+    P, I = ctypes.c_void_p, ctypes.c_int  # noqa: E741
+    return load_kernel_library("block_gemm", {"lm_block_gemm": [P, I, P, P, P, I, I, I, I, I, I]})
 
 
 @functools.cache
@@ -121,7 +118,7 @@ def make_linear(parts: list[Weight], bias: Optional[torch.Tensor], fmt: str) -> 
     the input size is not a multiple of 32, the weights are dense torch tensors.
     """
     if fmt in ("float32", "float16") or parts[0].shape[1] % BLOCK or block_kernel_unavailable():
-        return DenseLinear(_dense(parts), bias, DENSE_FORMATS.get(fmt, torch.bfloat16))
+        return DenseLinear(_dense(parts), bias, FLOAT_DTYPES.get(fmt, torch.bfloat16))
     if fmt == "native":
         blocks = [p for p in parts if isinstance(p, BlockWeight)]
         if len(blocks) == len(parts) and len({p.bits for p in blocks}) == 1:
