@@ -31,6 +31,8 @@ RUNTIME_MARGIN_BYTES = 768 << 20
 RUNTIME_MARGIN_FRACTION = 0.05
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per entry of the embedding table, by act_dtype (integer activations leave it float32).
+_TABLE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 4, "int16": 4}
 # Bytes per weight of each weight format. Block formats hold 32 weights (4-bit, 8-bit or bf16
 # codes) with a float32 scale and zero; "native" keeps what the file has, at most bf16 blocks.
 _WEIGHT_BYTES = {"float32": 4, "float16": 2, "bfloat16": (64 + 8) / 32, "int4": (16 + 8) / 32,
@@ -146,7 +148,7 @@ def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16
     per_weight = _WEIGHT_BYTES[weight_format]
     embed = args.vocab_size * d
     dense = weight_format in ("float32", "float16")  # torch tensors; the head shares the table
-    table = embed * (per_weight if dense else _DTYPE_BYTES[act_dtype])
+    table = embed * (per_weight if dense else _TABLE_BYTES[act_dtype])
     head = 0 if dense and args.tie_word_embeddings else embed * per_weight
     norms = (2 * args.num_layers + 1) * d
     return int(args.num_layers * (attn + mlp) * per_weight + table + head + norms * 4)

@@ -7,10 +7,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from lmserve.layers.blocks import BlockWeight, from_gguf_blocks
-from lmserve.layers.linear import BlockLinear, DenseLinear, block_kernel_unavailable, make_linear
+from lmserve.layers.linear import (BlockLinear, DenseLinear, block_kernel_unavailable,
+                                   int8_kernel_unavailable, make_linear)
 
 needs_kernel = pytest.mark.skipif(block_kernel_unavailable() is not None,
                                   reason=f"C++ kernel unavailable: {block_kernel_unavailable()}")
+needs_int8_kernel = pytest.mark.skipif(int8_kernel_unavailable() is not None,
+                                       reason=f"C++ int8 kernel unavailable: {int8_kernel_unavailable()}")
 GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
 
@@ -59,12 +62,54 @@ def test_block_matmul_matches_dense_with_bf16_weights(type_name, m):
     assert ((out.float() - ref).abs() <= 1e-2 * ref.abs() + 1e-4 * scale).all()
 
 
+@needs_int8_kernel
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("m", [1, 5, 37])
+@pytest.mark.parametrize("act, digit_step", [("int8", 1 / 2), ("int16", 1 / 512)])
+def test_integer_activations_err_by_at_most_their_rounding(type_name, m, act, digit_step):
+    """int8/int16 activations multiply the file's exact weights: each output differs from a
+    float64 matmul by at most the activation rounding, sum over blocks of |w| * d * step (d =
+    the block's max |x| / 127; step 1/2 for one digit, 1/512 for two), plus float32 slack."""
+    raw, dense = gguf_tensor(type_name, 70, 160, seed=m)
+    layer = BlockLinear(from_gguf_blocks(raw, type_name, 70, 160), None, act)
+    assert layer.digits == {"int8": 1, "int16": 2}[act]
+    x = torch.randn(m, 160)
+    x[:, 7] *= 20  # an outlier channel, as LLM activations have
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (m, 70)
+    ref = x.double() @ dense.double().T
+    d = x.reshape(m, 5, 32).abs().amax(-1).double() / 127  # (m, G)
+    bound = (d * digit_step) @ dense.abs().reshape(70, 5, 32).sum(-1).double().T  # (m, N)
+    slack = 1e-6 * (x.abs().double() @ dense.abs().double().T)
+    assert ((out.double() - ref).abs() <= bound * 1.01 + slack).all()
+    # bf16 inputs are quantized the same way (their values widen exactly); bf16 out
+    x16 = x.bfloat16()
+    assert torch.equal(layer(x16), layer(x16.float()).bfloat16())
+
+
+@needs_int8_kernel
+def test_int16_activations_are_closer_than_float32_ones():
+    """Two int8 digits plus exact weights beat the bf16 kernel's hi+lo activations (whose
+    weights are rounded to bf16) by far on a float64 reference."""
+    raw, dense = gguf_tensor("Q4_1", 64, 512, seed=5)
+    blocks = from_gguf_blocks(raw, "Q4_1", 64, 512)
+    x = torch.randn(9, 512)
+    ref = x.double() @ dense.double().T
+
+    def err(act):
+        return ((BlockLinear(blocks, None, act)(x).double() - ref).abs().max() / ref.abs().max()).item()
+
+    assert err("int16") < 1e-4 and err("int16") * 20 < err("float32") < err("int8")
+
+
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8, 16])
-@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("act", ["bfloat16", "float32", "int8", "int16"])
 def test_block_matmul_rows_do_not_depend_on_the_other_rows(bits, act):
-    layer = BlockLinear(BlockWeight.quantize(torch.randn(96, 256), bits), None)
-    x = torch.randn(70, 256).to(act)
+    if act.startswith("int") and int8_kernel_unavailable():
+        pytest.skip(f"C++ int8 kernel unavailable: {int8_kernel_unavailable()}")
+    layer = BlockLinear(BlockWeight.quantize(torch.randn(96, 256), bits), None, act)
+    x = torch.randn(70, 256).to(torch.bfloat16 if act == "bfloat16" else torch.float32)
     full = layer(x)
     for m in [1, 2, 7, 8, 9, 16, 33, 64, 65, 70]:
         part = layer(x[:m])
@@ -82,6 +127,10 @@ def test_make_linear_formats():
     assert isinstance(fused, BlockLinear) and (fused.n, fused.k, fused.bits) == (64, 64, 4)
     mixed = make_linear([blocks, other], None, "native")
     assert isinstance(mixed, BlockLinear) and mixed.bits == 16
+    # integer activations for 4-/8-bit blocks; bf16 blocks take float activations
+    if int8_kernel_unavailable() is None:
+        assert make_linear([blocks], None, "native", "int16").digits == 2
+        assert make_linear([blocks, other], None, "native", "int8").digits == 0
     # a dense copy only where torch must do it: float32/float16, or K not a multiple of 32
     assert isinstance(make_linear([torch.randn(8, 48)], None, "native"), DenseLinear)
     # int8: the 4-bit blocks and the dense part are rounded to 8-bit blocks

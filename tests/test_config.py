@@ -191,8 +191,8 @@ def test_default_opt_is_level_o2():
     assert parse_opt(None) == parse_opt("") == parse_opt("O2") == OPT_LEVELS["O2"]
 
 
-def _flags(weights, kv, attention="cpu_paged", compile=False, act=None, mlp="bfloat16"):
-    act = act or ("float32" if weights in ("native", "float32") else "bfloat16")
+def _flags(weights, kv, attention="cpu_paged", compile=False, act=None, mlp=None):
+    act = act or {"native": "int16", "float32": "float32"}.get(weights, "bfloat16")
     return OptFlags(weight_dtype=weights, kv_dtype=kv, act_dtype=act, mlp_act_dtype=mlp,
                     attention=attention, compile=compile)
 
@@ -200,10 +200,10 @@ def _flags(weights, kv, attention="cpu_paged", compile=False, act=None, mlp="bfl
 @pytest.mark.parametrize(
     "level, expected",
     [
-        ("O0", _flags("float32", "float32", "torch_native", mlp=None)),
-        ("O1", _flags("bfloat16", "bfloat16", mlp=None)),
+        ("O0", _flags("float32", "float32", "torch_native")),
+        ("O1", _flags("bfloat16", "bfloat16")),
         ("O2", _flags("native", "bfloat16")),
-        ("O3", _flags("native", "bfloat16", act="bfloat16", mlp=None)),
+        ("O3", _flags("native", "bfloat16", act="int8")),
     ],
 )
 def test_levels(level, expected):
@@ -214,17 +214,18 @@ def test_levels(level, expected):
     "opt, expected",
     [
         # Knobs without a level adjust the default level, O2.
-        ("weight_dtype=bfloat16;compile=0", _flags("bfloat16", "bfloat16", act="float32")),
+        ("weight_dtype=bfloat16;compile=0", _flags("bfloat16", "bfloat16", act="int16")),
         ("kv_dtype=float16", _flags("native", "float16")),
         ("compile=1", _flags("native", "bfloat16", compile=True)),
         ("compile=true", _flags("native", "bfloat16", compile=True)),
         ("O2;kv_dtype=float32", _flags("native", "float32")),
         ("O2;mlp_act_dtype=fp32", _flags("native", "bfloat16", mlp="float32")),
-        (" O0 ; weight_dtype = float16 ; ", _flags("float16", "float32", "torch_native", act="float32", mlp=None)),
+        (" O0 ; weight_dtype = float16 ; ", _flags("float16", "float32", "torch_native", act="float32")),
         # the issue's spelling: short dtype names
-        ("weight_dtype=int4;kv_dtype=bf16;compile=1", _flags("int4", "bfloat16", compile=True, act="float32")),
-        ("O0;attention=cpu_paged;weight_dtype=int8", _flags("int8", "float32", act="float32", mlp=None)),
+        ("weight_dtype=int4;kv_dtype=bf16;compile=1", _flags("int4", "bfloat16", compile=True, act="int16")),
+        ("O0;attention=cpu_paged;weight_dtype=int8", _flags("int8", "float32", act="float32")),
         ("O2;act_dtype=bf16", _flags("native", "bfloat16", act="bfloat16")),
+        ("O3;mlp_act_dtype=int16", _flags("native", "bfloat16", act="int8", mlp="int16")),
     ],
 )
 def test_knobs_adjust_the_level(opt, expected):

@@ -18,7 +18,7 @@ from lmserve.cache.radix import RadixCache
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
 from lmserve.layers.fused import FusedOps, TorchOps
-from lmserve.layers.linear import FLOAT_DTYPES, resolve_weight_format
+from lmserve.layers.linear import FLOAT_DTYPES, resolve_act_dtype, resolve_weight_format
 from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
 from lmserve.models.registry import model_class
 from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
@@ -59,8 +59,8 @@ class EngineCore:
         weight_format = resolve_weight_format(opt.weight_dtype)
         weights = load_weights(path, keep_blocks=weight_format not in FLOAT_DTYPES)
         model = model_class(self.args.architecture)(
-            self.args, weights, weight_format, FLOAT_DTYPES[opt.act_dtype],
-            FLOAT_DTYPES[opt.mlp_act_dtype or opt.act_dtype])
+            self.args, weights, weight_format, resolve_act_dtype(opt.act_dtype),
+            resolve_act_dtype(opt.mlp_act_dtype or opt.act_dtype))
         del weights
         self.tokenizer = Tokenizer.from_model(path)
 

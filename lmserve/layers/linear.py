@@ -1,5 +1,6 @@
 """Linear layers in the weight formats ``opt`` selects: dense (float32/bfloat16/float16) or
-blocks of 4-bit/8-bit codes multiplied by lmserve's C++ kernel (kernels/block_gemm.cpp).
+blocks of 4-bit/8-bit codes multiplied by lmserve's C++ kernels (kernels/block_gemm.cpp with
+bf16 dot products, kernels/int8_gemm.cpp with int8 activations and VNNI integer dot products).
 
 Both kinds compute every output row the same way whatever the number of rows in the call, so a
 token's result does not depend on its batch company.
@@ -25,11 +26,21 @@ Weight = Union[torch.Tensor, BlockWeight]
 # from a dtype's name in ``opt`` to the torch dtype.
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BLOCK_FORMATS = {"int4": 4, "int8": 8, "bfloat16": 16}
+# Integer activations: int8 digits per value, quantized per row and block of 32 inside the
+# matmul (int16 = two int8 digits). Between layers they travel as float32.
+INT_ACT_DIGITS = {"int8": 1, "int16": 2}
+ACT_TENSOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                     **{name: torch.float32 for name in INT_ACT_DIGITS}}
 
 
 def _library() -> Optional[ctypes.CDLL]:
     P, I = ctypes.c_void_p, ctypes.c_int  # noqa: E741
     return load_kernel_library("block_gemm", {"lm_block_gemm": [P, I, P, P, P, I, I, I, I, I, I]})
+
+
+def _int8_library() -> Optional[ctypes.CDLL]:
+    P, I = ctypes.c_void_p, ctypes.c_int  # noqa: E741
+    return load_kernel_library("int8_gemm", {"lm_int8_gemm": [P, I, P, P, P, I, I, I, I, I, I, I]})
 
 
 @functools.cache
@@ -38,6 +49,15 @@ def block_kernel_unavailable() -> Optional[str]:
     reason = why_unavailable()
     if reason is None and _library() is None:
         return "the block kernel failed to build (see the log)"
+    return reason
+
+
+@functools.cache
+def int8_kernel_unavailable() -> Optional[str]:
+    """Why int8/int16 activations cannot be used on this machine, or None."""
+    reason = block_kernel_unavailable()
+    if reason is None and _int8_library() is None:
+        return "the C++ int8 kernel failed to build (does the CPU have AVX-512 VNNI?)"
     return reason
 
 
@@ -53,19 +73,23 @@ class DenseLinear:
 
 
 class BlockLinear:
-    """``y = x @ W^T + b`` with W in 32-wide blocks of 4- or 8-bit codes.
+    """``y = x @ W^T + b`` with W in 32-wide blocks of 4-, 8- or 16-bit (bf16) codes.
 
-    bfloat16 ``x`` gives a bfloat16 result; float32 ``x`` is multiplied as two bfloat16 halves
-    (about 16 significant bits, twice the dot-product work) and gives a float32 result.
+    bfloat16 ``x`` gives a bfloat16 result, float32 ``x`` a float32 one. With ``act`` int8 or
+    int16 (and 4- or 8-bit weights) ``x`` is quantized per row and block of 32 to one int8 digit
+    (as llama.cpp does) or two, and multiplied with integer dot products; otherwise bfloat16
+    ``x`` is multiplied as is and float32 ``x`` as two bfloat16 halves (about 16 significant
+    bits, twice the work).
     """
 
-    def __init__(self, weight: BlockWeight, bias: Optional[torch.Tensor]):
-        self.lib = _library()
+    def __init__(self, weight: BlockWeight, bias: Optional[torch.Tensor], act: str = "float32"):
+        self.digits = INT_ACT_DIGITS.get(act, 0) if weight.bits in (4, 8) else 0
+        self.lib = _int8_library() if self.digits else _library()
         if self.lib is None:
             raise RuntimeError("the C++ block kernel is not available on this machine")
         self.bits = weight.bits
         self.n, self.k = weight.shape
-        self.codes, self.consts = pack_rows(weight)
+        self.codes, self.consts = pack_rows_int8(weight) if self.digits else pack_rows(weight)
         self.bias = None if bias is None else bias.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,9 +99,12 @@ class BlockLinear:
         m = x.shape[0]  # (M, K)
         out = torch.empty(m, self.n, dtype=x.dtype)
         f32 = x.dtype == torch.float32
-        self.lib.lm_block_gemm(x.data_ptr(), int(f32), self.codes.data_ptr(), self.consts.data_ptr(),
-                               out.data_ptr(), int(not f32), m, self.n, self.k, self.bits,
-                               torch.get_num_threads())
+        args = (x.data_ptr(), int(f32), self.codes.data_ptr(), self.consts.data_ptr(),
+                out.data_ptr(), int(not f32), m, self.n, self.k, self.bits)
+        if self.digits:
+            self.lib.lm_int8_gemm(*args, self.digits, torch.get_num_threads())
+        else:
+            self.lib.lm_block_gemm(*args, torch.get_num_threads())
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
@@ -98,15 +125,39 @@ def pack_rows(w: BlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.transpose(1, 2).contiguous(), consts.permute(1, 3, 0, 2).contiguous()
 
 
+INT8_GROUP = 16  # weight rows the int8 kernel computes per vector (int8_gemm.cpp)
+
+
+def pack_rows_int8(w: BlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 kernel's layout, rows in groups of 16 (N padded to a multiple of 16): codes
+    ``(N/16, G, V, 16, 4)`` unsigned bytes (V = 4 vectors of nibble pairs for 4-bit, whose
+    low nibble holds block element 4v+i and high one 16+4v+i; V = 8 for 8-bit, element 4v+i),
+    and consts ``(N/16, G, 2, 16)`` (16 scales, then 16 zeros). 8-bit codes are signed in the
+    file; they are stored plus 128 with the zero lowered by 128 scales (exact in float32)."""
+    n, g = w.scale.shape
+    pad = -n % INT8_GROUP
+    zero = w.zero if w.zero is not None else torch.zeros_like(w.scale)
+    codes = w.codes
+    if w.bits == 8:
+        codes = (codes.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        zero = zero - 128 * w.scale
+    groups = (n + pad) // INT8_GROUP
+    codes = F.pad(codes, (0, 0, 0, 0, 0, pad)).view(groups, INT8_GROUP, g, -1, 4)
+    consts = F.pad(torch.stack([w.scale, zero]), (0, 0, 0, pad)).view(2, groups, INT8_GROUP, g)
+    return codes.permute(0, 2, 3, 1, 4).contiguous(), consts.permute(1, 3, 0, 2).contiguous()
+
+
 def _dense(parts: list[Weight]) -> torch.Tensor:
     """The parts dequantized and stacked (a single dense part is returned as is, not copied)."""
     dense = [p.dequantize() if isinstance(p, BlockWeight) else p for p in parts]
     return dense[0] if len(dense) == 1 else torch.cat(dense)
 
 
-def make_linear(parts: list[Weight], bias: Optional[torch.Tensor], fmt: str) -> Linear:
+def make_linear(parts: list[Weight], bias: Optional[torch.Tensor], fmt: str,
+                act: str = "float32") -> Linear:
     """One linear layer from the weights ``parts`` stacked along the output dimension (fused
-    q/k/v or gate/up), held as ``fmt`` says:
+    q/k/v or gate/up), its input activations ``act`` (float32, bfloat16, or int8/int16:
+    quantized in the int8 kernel, for 4-/8-bit blocks), held as ``fmt`` says:
 
     - ``float32``/``float16``: dense torch tensors, dequantized from blocks if need be;
     - ``bfloat16``: bf16 weights in the block kernel (its rows are batch-invariant; oneDNN's
@@ -122,12 +173,12 @@ def make_linear(parts: list[Weight], bias: Optional[torch.Tensor], fmt: str) -> 
     if fmt == "native":
         blocks = [p for p in parts if isinstance(p, BlockWeight)]
         if len(blocks) == len(parts) and len({p.bits for p in blocks}) == 1:
-            return BlockLinear(BlockWeight.cat(blocks), bias)
+            return BlockLinear(BlockWeight.cat(blocks), bias, act)
         fmt = "bfloat16"
     bits = BLOCK_FORMATS[fmt]
     blocks = [p if isinstance(p, BlockWeight) and p.bits == bits else BlockWeight.quantize(_dense([p]), bits)
               for p in parts]
-    return BlockLinear(BlockWeight.cat(blocks), bias)
+    return BlockLinear(BlockWeight.cat(blocks), bias, act)
 
 
 def resolve_weight_format(fmt: str) -> str:
@@ -140,3 +191,15 @@ def resolve_weight_format(fmt: str) -> str:
     logger.warning("weight format %s needs the C++ block kernel, which is unavailable (%s); "
                    "using bfloat16 weights", fmt, reason)
     return "bfloat16"
+
+
+def resolve_act_dtype(act: str) -> str:
+    """``act``, or the float dtype with at least as many bits (logged) when it is int8/int16 and
+    the int8 kernel is unavailable here."""
+    reason = int8_kernel_unavailable() if act in INT_ACT_DIGITS else None
+    if reason is None:
+        return act
+    fallback = "bfloat16" if act == "int8" else "float32"
+    logger.warning("%s activations need the C++ int8 kernel, which is unavailable (%s); using %s",
+                   act, reason, fallback)
+    return fallback

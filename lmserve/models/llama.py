@@ -15,7 +15,7 @@ from lmserve.attention.base import AttentionBackend
 from lmserve.cache.kv import KVCache
 from lmserve.layers.blocks import BlockWeight
 from lmserve.layers.fused import FusedOps, TorchOps
-from lmserve.layers.linear import Weight, make_linear
+from lmserve.layers.linear import ACT_TENSOR_DTYPES, Weight, make_linear
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.args import ModelArgs
 
@@ -35,12 +35,13 @@ class ForwardContext:
 class LlamaLayer:
     """One decoder block with fused q/k/v and gate/up projections.
 
-    The residual stream stays float32; matmul inputs are in ``dtype`` (float32 on the reference
-    path, bfloat16 on the fast ones), so rounding does not pile up over the layers.
+    The residual stream stays float32; matmul inputs are ``act`` (float32 on the reference
+    path; bfloat16, or int8 quantized inside the matmul, on the fast ones) into q/k/v and o, and
+    ``mlp_act`` into the MLP, so rounding does not pile up over the layers.
     """
 
-    def __init__(self, args: ModelArgs, w: dict[str, Weight], prefix: str, fmt: str, dtype: torch.dtype,
-                 mlp_dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, w: dict[str, Weight], prefix: str, fmt: str, act: str,
+                 mlp_act: str):
         def get(name: str) -> Weight:
             return w[prefix + name]
 
@@ -48,15 +49,16 @@ class LlamaLayer:
         qkv_bias = None
         if args.attention_bias:
             qkv_bias = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"])
-        self.qkv = make_linear([get(attn + f"{p}_proj.weight") for p in "qkv"], qkv_bias, fmt)
+        self.qkv = make_linear([get(attn + f"{p}_proj.weight") for p in "qkv"], qkv_bias, fmt, act)
         # Llama configs with attention_bias=True also have an o_proj bias
-        self.o = make_linear([get(attn + "o_proj.weight")], w.get(prefix + attn + "o_proj.bias"), fmt)
-        self.gate_up = make_linear([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], None, fmt)
-        self.down = make_linear([get("mlp.down_proj.weight")], None, fmt)
+        self.o = make_linear([get(attn + "o_proj.weight")], w.get(prefix + attn + "o_proj.bias"), fmt, act)
+        self.gate_up = make_linear([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], None, fmt,
+                                   mlp_act)
+        self.down = make_linear([get("mlp.down_proj.weight")], None, fmt, mlp_act)
         self.norm1 = get("input_layernorm.weight").float()
         self.norm2 = get("post_attention_layernorm.weight").float()
-        self.dtype = dtype  # into q/k/v (and so into o: attention returns qkv's dtype)
-        self.mlp_dtype = mlp_dtype  # into gate/up (and so into down)
+        self.dtype = ACT_TENSOR_DTYPES[act]  # into q/k/v (and so into o: attention returns qkv's dtype)
+        self.mlp_dtype = ACT_TENSOR_DTYPES[mlp_act]  # into gate/up (and so into down)
         self.eps = args.rms_norm_eps
 
     def __call__(self, x: torch.Tensor, delta: Optional[torch.Tensor], ctx: ForwardContext,
@@ -76,27 +78,27 @@ class LlamaModel:
     """The whole decoder: embedding, layers, final norm and the language-model head."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, Weight], weight_format: str,
-                 act_dtype: torch.dtype, mlp_act_dtype: Optional[torch.dtype] = None):
+                 act_dtype: str, mlp_act_dtype: Optional[str] = None):
         """``weight_format``: how matmul weights are held, see ``make_linear``; ``act_dtype``:
-        the dtype of activations entering the attention projections and the head;
+        activations entering the attention projections and the head (float32, bfloat16, int8);
         ``mlp_act_dtype``: entering the MLP (None: act_dtype)."""
         self.args = args
-        self.dtype = act_dtype
+        self.dtype = ACT_TENSOR_DTYPES[act_dtype]
         embed = weights["model.embed_tokens.weight"]
         dense_embed = embed.dequantize() if isinstance(embed, BlockWeight) else embed
-        self.embed = dense_embed.to(act_dtype)  # (V, D), looked up by token id
+        self.embed = dense_embed.to(self.dtype)  # (V, D), looked up by token id
         self.layers = [
-            LlamaLayer(args, weights, f"model.layers.{i}.", weight_format, self.dtype,
-                       mlp_act_dtype or self.dtype)
+            LlamaLayer(args, weights, f"model.layers.{i}.", weight_format, act_dtype,
+                       mlp_act_dtype or act_dtype)
             for i in range(args.num_layers)
         ]
         self.norm = weights["model.norm.weight"].float()
         head = weights.get("lm_head.weight")
         if head is None or args.tie_word_embeddings:
             head = embed
-        self.lm_head = make_linear([head], None, weight_format)
+        self.lm_head = make_linear([head], None, weight_format, act_dtype)
         if head is embed and getattr(self.lm_head, "weight", None) is not None \
-                and self.lm_head.weight.dtype == act_dtype:
+                and self.lm_head.weight.dtype == self.dtype:
             self.embed = self.lm_head.weight  # tied and dense in the same dtype: one copy
 
     def rotary(self, max_positions: int, device: torch.device) -> RotaryEmbedding:
