@@ -7,6 +7,7 @@ from lmserve.models.args import ModelArgs
 from lmserve.plan import (
     RUNTIME_MARGIN_BYTES,
     SERVER_BATCH,
+    SERVER_CHUNK,
     make_plan,
     weight_bytes,
     workspace_bytes,
@@ -102,19 +103,19 @@ def test_server_mode_fills_the_budget_with_kv():
     args = _args(2048)
     kv_per_token = 2 * 2 * 2 * 16 * 2
     fixed = (weight_bytes(args, "native", "float32") + RUNTIME_MARGIN_BYTES
-             + workspace_bytes(args, SERVER_BATCH, 2048, 2048, kv_per_token, gathers_kv=False))
+             + workspace_bytes(args, SERVER_BATCH, SERVER_CHUNK, 2048, kv_per_token, gathers_kv=False))
     device = 2 * (fixed + 100_008 * kv_per_token)  # KV for 100_008 tokens at utilization 0.5
     plan = make_plan(EngineConfig(mode="server", gpu_memory_utilization=0.5), args,
                      device_memory=device)
     m = plan.memory
-    assert plan.max_num_sequence == SERVER_BATCH and plan.prefill_chunk_size == 2048
+    assert plan.max_num_sequence == SERVER_BATCH and plan.prefill_chunk_size == SERVER_CHUNK
     assert m.budget == device // 2 and m.margin == RUNTIME_MARGIN_BYTES
     assert plan.max_total_sequence_length == 100_000  # whole 16-token pages only
-    assert m.workspace == workspace_bytes(args, SERVER_BATCH, 2048, 2048, m.kv_per_token, False)
+    assert m.workspace == workspace_bytes(args, SERVER_BATCH, SERVER_CHUNK, 2048, m.kv_per_token, False)
     # the torch attention path (O0) also budgets its padded KV gather
     o0 = make_plan(EngineConfig(mode="server", opt="O0"), args, device_memory=device).memory
-    assert o0.workspace == workspace_bytes(args, SERVER_BATCH, 2048, 2048, o0.kv_per_token, True)
-    assert o0.workspace - workspace_bytes(args, SERVER_BATCH, 2048, 2048, o0.kv_per_token, False) \
+    assert o0.workspace == workspace_bytes(args, SERVER_BATCH, SERVER_CHUNK, 2048, o0.kv_per_token, True)
+    assert o0.workspace - workspace_bytes(args, SERVER_BATCH, SERVER_CHUNK, 2048, o0.kv_per_token, False) \
         == 3 * SERVER_BATCH * 2048 * o0.kv_per_token // 2
     room = m.budget - m.weights - m.workspace - m.margin
     assert room // m.kv_per_token == 100_008
@@ -151,7 +152,7 @@ def test_server_kv_too_small_for_one_sequence_is_refused():
     # Leaves room for a few hundred tokens only: less than one 2048-token sequence.
     args = _args(2048)
     fixed = (weight_bytes(args, "native", "float32") + RUNTIME_MARGIN_BYTES
-             + workspace_bytes(args, 1, 2048, 2048, 2 * 2 * 2 * 16 * 2, gathers_kv=False))
+             + workspace_bytes(args, 1, SERVER_CHUNK, 2048, 2 * 2 * 2 * 16 * 2, gathers_kv=False))
     device = int((fixed + 300 * 256) / 0.85) + 1
     with pytest.raises(ValueError, match="fewer than one sequence of max_single_sequence_length=2048"):
         make_plan(EngineConfig(mode="server", max_num_sequence=1), args, device_memory=device)

@@ -101,10 +101,16 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
         memset(kf[j], 0, sizeof(float) * D);
       }
     }
+    // Three passes over the rows (scores, softmax update, weighted values) rather than one row
+    // at a time: the rows are independent, so each pass's long-latency chains (the reductions,
+    // exp) overlap across rows. A row's own operations and their order are unchanged.
+    alignas(64) float pj[kMaxRows][16];
+    float alpha[kMaxRows];
+    int n_row[kMaxRows];
     for (int r = 0; r < R; ++r) {
       const int t = r / G;
-      const int n_row = std::min(16, ctx[t] - start);  // keys of this block the row sees
-      if (n_row <= 0) continue;
+      n_row[r] = std::min(16, ctx[t] - start);  // keys of this block the row sees
+      if (n_row[r] <= 0) continue;
       const float* qr = q + ((int64_t)t * H + r % G) * D;
       __m512 dots[16];
       for (int j = 0; j < 16; ++j) {
@@ -113,20 +119,25 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
           sum = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * d), _mm512_load_ps(kf[j] + 16 * d), sum);
         dots[j] = sum;
       }
-      const __mmask16 live = (__mmask16)((1u << n_row) - 1);
-      const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,
-                                           _mm512_mul_ps(reduce16x16(dots), _mm512_set1_ps(scale)));
+      _mm512_store_ps(pj[r], _mm512_mul_ps(reduce16x16(dots), _mm512_set1_ps(scale)));
+    }
+    for (int r = 0; r < R; ++r) {
+      if (n_row[r] <= 0) continue;
+      const __mmask16 live = (__mmask16)((1u << n_row[r]) - 1);
+      const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_load_ps(pj[r]));
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(sv));
       const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-      const float alpha = m[r] == -INFINITY ? 0.f : std::exp(m[r] - m_new);
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(p);
+      alpha[r] = m[r] == -INFINITY ? 0.f : std::exp(m[r] - m_new);
+      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(p);
       m[r] = m_new;
-      alignas(64) float pj[16];
-      _mm512_store_ps(pj, p);
+      _mm512_store_ps(pj[r], p);
+    }
+    for (int r = 0; r < R; ++r) {
+      if (n_row[r] <= 0) continue;
       for (int d = 0; d < DV; ++d) {
-        __m512 a = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * d), _mm512_set1_ps(alpha));
-        for (int j = 0; j < n_row; ++j)
-          a = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), _mm512_load_ps(vf[j] + 16 * d), a);
+        __m512 a = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * d), _mm512_set1_ps(alpha[r]));
+        for (int j = 0; j < n_row[r]; ++j)
+          a = _mm512_fmadd_ps(_mm512_set1_ps(pj[r][j]), _mm512_load_ps(vf[j] + 16 * d), a);
         _mm512_store_ps(acc[r] + 16 * d, a);
       }
     }
