@@ -87,10 +87,11 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   // operation of a row depends only on that row's context length.
   for (int start = 0; start < n_keys; start += 16) {
     const int n = std::min(16, n_keys - start);
+    int page = start / page_size, offset = start % page_size;  // of key `start`; stepped below
     for (int j = 0; j < 16; ++j) {
       if (j < n) {
-        const int pos = start + j;
-        const int64_t slot = (int64_t)pages[pos / page_size] * page_size + pos % page_size;
+        const int64_t slot = (int64_t)pages[page] * page_size + offset;
+        if (++offset == page_size) offset = 0, ++page;
         const Cache* kr = kc + (slot * KVH + kvh) * D;
         const Cache* vr = vc + (slot * KVH + kvh) * D;
         for (int d = 0; d < DV; ++d) {
