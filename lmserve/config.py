@@ -45,7 +45,7 @@ class OptFlags:
     # twice the dot-product work. int8 quantizes them per block of 32 (as llama.cpp does) and
     # multiplies with integer dot products, 2-3x faster than bfloat16; int16 adds a second int8
     # digit for the rounding error (about 15 bits a block, twice int8's work). Integer
-    # activations apply to 4-/8-bit weights; bf16 ones take float32 activations as above.
+    # activations apply to 4-/8-bit blocks; a layer with bf16 weights gets them as float32.
     act_dtype: ActDtype = "float32"
     # the same for the MLP (gate/up, down: three quarters of a layer's weights); None = act_dtype
     mlp_act_dtype: Optional[ActDtype] = None
