@@ -1,7 +1,11 @@
-"""Page pool: exact ids, reference counts and errors."""
+"""Page pool: exact ids, reference counts and errors; the KV tensors the pages index."""
+
+import os
 
 import pytest
+import torch
 
+from lmserve.cache.kv import KVCache
 from lmserve.cache.pages import OutOfPages, PagePool, pages_needed
 
 
@@ -47,3 +51,23 @@ def test_misuse_is_refused():
 @pytest.mark.parametrize("tokens,expected", [(0, 0), (1, 1), (16, 1), (17, 2), (32, 2)])
 def test_pages_needed(tokens, expected):
     assert pages_needed(tokens, 16) == expected
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_kv_cache_reads_as_zeros_and_takes_memory_only_where_written():
+    """A server-sized cache must not cost its full size (or the time to zero it) up front."""
+    before = _resident_mib()
+    kv = KVCache(num_layers=2, num_pages=16384, page_size=16, num_kv_heads=4, head_dim=64,
+                 dtype=torch.bfloat16)  # 2 x 2 x 128 MiB
+    assert _resident_mib() - before < 64
+    k = kv.k[1]
+    assert k.shape == (16384 * 16, 4, 64) and k.dtype == torch.bfloat16 and k.is_contiguous()
+    k[100:116] = 1.5  # one page written
+    assert k[100:116].eq(1.5).all() and k[:100].eq(0).all() and k[116:5000].eq(0).all()
+    assert _resident_mib() - before < 64
+    k[:] = 1  # now every byte of one layer's keys
+    assert _resident_mib() - before > 100

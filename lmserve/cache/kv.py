@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor whose CPU memory is taken page by page as it is first written.
+
+    Anonymous memory maps read as zeros and cost nothing until touched, so a server-sized cache
+    (tens of GiB) is ready at once instead of after writing every byte, and the process's
+    resident memory shows the KV actually used. Other devices get ``torch.zeros``.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor keeps the map alive; the map is unmapped when the tensor is freed.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class KVCache:
@@ -26,5 +45,5 @@ class KVCache:
         self.page_size = page_size
         self.num_slots = num_pages * page_size
         shape = (self.num_slots, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [zeros_on_demand(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [zeros_on_demand(shape, dtype, device) for _ in range(num_layers)]
