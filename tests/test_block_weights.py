@@ -73,6 +73,7 @@ def test_integer_activations_err_by_at_most_their_rounding(type_name, m, act, di
     raw, dense = gguf_tensor(type_name, 70, 160, seed=m)
     layer = BlockLinear(from_gguf_blocks(raw, type_name, 70, 160), None, act)
     assert layer.digits == {"int8": 1, "int16": 2}[act]
+    assert layer.consts.dtype == torch.float16  # GGUF's block constants are float16 values
     x = torch.randn(m, 160)
     x[:, 7] *= 20  # an outlier channel, as LLM activations have
     out = layer(x)
@@ -85,6 +86,20 @@ def test_integer_activations_err_by_at_most_their_rounding(type_name, m, act, di
     # bf16 inputs are quantized the same way (their values widen exactly); bf16 out
     x16 = x.bfloat16()
     assert torch.equal(layer(x16), layer(x16.float()).bfloat16())
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_float16_block_constants_give_the_float32_result(type_name):
+    """Constants kept as float16 (when exact) are the same numbers as float32 ones."""
+    raw, _ = gguf_tensor(type_name, 40, 96)
+    layer = BlockLinear(from_gguf_blocks(raw, type_name, 40, 96), None, "int16")
+    x = torch.randn(6, 96)
+    half = layer(x)
+    layer.consts = layer.consts.float()
+    assert torch.equal(layer(x), half)
+    # constants float16 cannot hold stay float32
+    assert BlockLinear(BlockWeight.quantize(torch.randn(16, 64), 4), None, "int8").consts.dtype == torch.float32
 
 
 @needs_int8_kernel

@@ -16,7 +16,8 @@
 //   codes  (N/16, K/32, V, 16, 4) bytes, V = 4 for 4-bit: vector v holds, for each of the 16
 //          rows, block elements 4v..4v+3 in the low nibbles and 16+4v..16+4v+3 in the high ones
 //          (GGUF's Q4 byte order, regrouped); V = 8 for 8-bit: elements 4v..4v+3 as bytes.
-//   consts (N/16, K/32, 2, 16) float32: the 16 rows' scales, then their zeros.
+//   consts (N/16, K/32, 2, 16) the 16 rows' scales, then their zeros: float16 when every one of
+//          them is a float16 value (GGUF stores them so; a sixth less to stream), else float32.
 #include <omp.h>
 
 #include "simd.h"
@@ -34,7 +35,8 @@ struct Args {
   const float* a_scale;   // (M, K/32): d, or d / 256 with two digits
   const float* a_sum;     // (M, K/32): sum of each block's quantized values
   const uint8_t* codes;
-  const float* consts;
+  const void* consts;
+  bool half_consts;       // consts are float16, not float32
   void* c;
   bool out_bf16;
   int M, N, K;
@@ -72,6 +74,12 @@ void quantize(const T* a, int8_t* q, int8_t* q2, float* scale, float* sum, int M
     scale[b] = q2 ? d / 256.0f : d;
     sum[b] = scale[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(s0, s1));  // exact integer
   }
+}
+
+inline __m512 load_consts(const Args& p, int64_t at) {  // 16 scales or zeros as float32
+  if (p.half_consts)
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p.consts + at)));
+  return _mm512_loadu_ps((const float*)p.consts + at);
 }
 
 inline __m512i broadcast4(const int8_t* p) {  // 4 activation bytes to every lane
@@ -134,8 +142,8 @@ void tile(const Args& p, int m0, int j0) {
       }
     }
     for (int r = 0; r < NR; ++r) {
-      const float* k = p.consts + ((int64_t)(j0 + r) * G + g) * 32;
-      const __m512 scale = _mm512_loadu_ps(k), zero = _mm512_loadu_ps(k + 16);
+      const int64_t k = ((int64_t)(j0 + r) * G + g) * 32;
+      const __m512 scale = load_consts(p, k), zero = load_consts(p, k + 16);
       for (int i = 0; i < MR; ++i) {
         const int64_t at = (int64_t)(m0 + i) * G + g;
         const __m512i dot = DIGITS == 1 ? _mm512_add_epi32(s0[i][r], s1[i][r])
@@ -201,9 +209,11 @@ void gemm(const Args& p) {
 extern "C" {
 
 // C (M, N) = A (M, K) @ W^T for W in blocks of `bits` (4 or 8), A float32 (a_f32 = 1) or bf16,
-// quantized here per row and block of 32 to `digits` (1 or 2) int8 digits; K a multiple of 32.
-void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const float* consts, void* c,
-                  int out_bf16, int M, int N, int K, int bits, int digits, int threads) {
+// quantized here per row and block of 32 to `digits` (1 or 2) int8 digits; K a multiple of 32;
+// consts float16 (half_consts = 1) or float32.
+void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* consts, void* c,
+                  int out_bf16, int M, int N, int K, int bits, int digits, int half_consts,
+                  int threads) {
   omp_set_num_threads(threads);
   const int G = K / 32;
   std::vector<int8_t> q((size_t)M * K * digits);
@@ -213,7 +223,8 @@ void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const float* c
     quantize((const float*)a, q.data(), q2, scale.data(), sum.data(), M, K);
   else
     quantize((const uint16_t*)a, q.data(), q2, scale.data(), sum.data(), M, K);
-  const Args p{q.data(), q2, scale.data(), sum.data(), codes, consts, c, out_bf16 != 0, M, N, K};
+  const Args p{q.data(), q2,     scale.data(),    sum.data(), codes,
+               consts,   half_consts != 0, c, out_bf16 != 0,   M, N, K};
   if (bits == 4)
     digits == 2 ? gemm<4, 2>(p) : gemm<4, 1>(p);
   else

@@ -40,7 +40,7 @@ def _library() -> Optional[ctypes.CDLL]:
 
 def _int8_library() -> Optional[ctypes.CDLL]:
     P, I = ctypes.c_void_p, ctypes.c_int  # noqa: E741
-    return load_kernel_library("int8_gemm", {"lm_int8_gemm": [P, I, P, P, P, I, I, I, I, I, I, I]})
+    return load_kernel_library("int8_gemm", {"lm_int8_gemm": [P, I, P, P, P, I, I, I, I, I, I, I, I]})
 
 
 @functools.cache
@@ -102,7 +102,8 @@ class BlockLinear:
         args = (x.data_ptr(), int(f32), self.codes.data_ptr(), self.consts.data_ptr(),
                 out.data_ptr(), int(not f32), m, self.n, self.k, self.bits)
         if self.digits:
-            self.lib.lm_int8_gemm(*args, self.digits, torch.get_num_threads())
+            half = self.consts.dtype == torch.float16
+            self.lib.lm_int8_gemm(*args, self.digits, int(half), torch.get_num_threads())
         else:
             self.lib.lm_block_gemm(*args, torch.get_num_threads())
         return out if self.bias is None else out + self.bias.to(out.dtype)
@@ -132,8 +133,9 @@ def pack_rows_int8(w: BlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """The int8 kernel's layout, rows in groups of 16 (N padded to a multiple of 16): codes
     ``(N/16, G, V, 16, 4)`` unsigned bytes (V = 4 vectors of nibble pairs for 4-bit, whose
     low nibble holds block element 4v+i and high one 16+4v+i; V = 8 for 8-bit, element 4v+i),
-    and consts ``(N/16, G, 2, 16)`` (16 scales, then 16 zeros). 8-bit codes are signed in the
-    file; they are stored plus 128 with the zero lowered by 128 scales (exact in float32)."""
+    and consts ``(N/16, G, 2, 16)`` (16 scales, then 16 zeros), float16 when that holds them
+    exactly (GGUF's are float16: less to stream in decode), else float32. 8-bit codes are signed
+    in the file; they are stored plus 128 with the zero lowered by 128 scales (exact)."""
     n, g = w.scale.shape
     pad = -n % INT8_GROUP
     zero = w.zero if w.zero is not None else torch.zeros_like(w.scale)
@@ -144,7 +146,10 @@ def pack_rows_int8(w: BlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
     groups = (n + pad) // INT8_GROUP
     codes = F.pad(codes, (0, 0, 0, 0, 0, pad)).view(groups, INT8_GROUP, g, -1, 4)
     consts = F.pad(torch.stack([w.scale, zero]), (0, 0, 0, pad)).view(2, groups, INT8_GROUP, g)
-    return codes.permute(0, 2, 3, 1, 4).contiguous(), consts.permute(1, 3, 0, 2).contiguous()
+    consts = consts.permute(1, 3, 0, 2).contiguous()
+    if torch.equal(consts.half().float(), consts):
+        consts = consts.half()
+    return codes.permute(0, 2, 3, 1, 4).contiguous(), consts
 
 
 def _dense(parts: list[Weight]) -> torch.Tensor:
