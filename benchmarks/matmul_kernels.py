@@ -6,7 +6,8 @@ block kernel with each activation type (int8 and int16 in kernels/int8_gemm.cpp;
 float32 as bf16 hi + lo in kernels/block_gemm.cpp) against torch's own matmul on the same weights
 dequantized (float32 and bfloat16, oneDNN). Also prints each one's error against a float64
 matmul of the exact weights, relative to the output's largest value, on activations with an
-outlier channel (as LLM hidden states have). Random weights in the file's block formats.
+outlier channel (as LLM hidden states have). Random weights quantized by the gguf package to the
+file's types (Q4_1 layers, Q8_0 head), read as the engine reads them.
 
     .venv/bin/python benchmarks/matmul_kernels.py [--rows 1 16 256] [--seconds 0.3]
 """
@@ -19,11 +20,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lmserve.layers.blocks import BlockWeight
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from lmserve.layers.blocks import from_gguf_blocks
 from lmserve.layers.linear import BlockLinear
 
-SHAPES = [("q/k/v", 960, 576, 4), ("o", 576, 576, 4), ("gate/up", 3072, 576, 4),
-          ("down", 576, 1536, 4), ("head", 49152, 576, 8)]
+SHAPES = [("q/k/v", 960, 576, "Q4_1"), ("o", 576, 576, "Q4_1"), ("gate/up", 3072, 576, "Q4_1"),
+          ("down", 576, 1536, "Q4_1"), ("head", 49152, 576, "Q8_0")]
 ACTS = ["int8", "int16", "bfloat16", "float32"]
 
 
@@ -46,8 +51,10 @@ def main() -> None:
     print(f"{torch.get_num_threads()} threads; GFLOP/s (error vs float64, relative to max |y|)")
     names = [f"lmserve {a}" for a in ACTS] + ["torch float32", "torch bfloat16"]
     print(f"{'shape':22} {'M':>4}  " + "  ".join(f"{n:>22}" for n in names))
-    for label, n, k, bits in SHAPES:
-        blocks = BlockWeight.quantize(torch.randn(n, k) * 0.05, bits)
+    rng = np.random.default_rng(0)
+    for label, n, k, gguf_type in SHAPES:
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        blocks = from_gguf_blocks(quantize(w, GGMLQuantizationType[gguf_type]), gguf_type, n, k)
         dense = blocks.dequantize()
         dense16 = dense.bfloat16()
         layers = {a: BlockLinear(blocks, None, a) for a in ACTS}
@@ -64,7 +71,7 @@ def main() -> None:
                 seconds = rate(runs[name], args.seconds)
                 err = ((runs[name]().double() - ref).abs().max() / ref.abs().max()).item()
                 cells.append(f"{2 * m * n * k / seconds / 1e9:7.0f} ({err:8.1e})")
-            print(f"{label + f' {n}x{k} {bits}-bit':22} {m:>4}  " + "  ".join(f"{c:>22}" for c in cells))
+            print(f"{label + f' {n}x{k} {gguf_type}':22} {m:>4}  " + "  ".join(f"{c:>22}" for c in cells))
 
 
 if __name__ == "__main__":
