@@ -223,8 +223,8 @@ void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* co
     quantize((const float*)a, q.data(), q2, scale.data(), sum.data(), M, K);
   else
     quantize((const uint16_t*)a, q.data(), q2, scale.data(), sum.data(), M, K);
-  const Args p{q.data(), q2,     scale.data(),    sum.data(), codes,
-               consts,   half_consts != 0, c, out_bf16 != 0,   M, N, K};
+  const Args p{q.data(), q2, scale.data(), sum.data(), codes, consts, half_consts != 0,
+               c, out_bf16 != 0, M, N, K};
   if (bits == 4)
     digits == 2 ? gemm<4, 2>(p) : gemm<4, 1>(p);
   else
