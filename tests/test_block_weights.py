@@ -103,6 +103,29 @@ def test_float16_block_constants_give_the_float32_result(type_name):
 
 
 @needs_int8_kernel
+@pytest.mark.parametrize("act", ["int8", "int16"])
+def test_integer_activations_edge_cases(act):
+    codes = torch.full((16, 1, 16), 0x99, dtype=torch.uint8)  # 4-bit codes 9: every weight 9
+    layer = BlockLinear(BlockWeight(codes, torch.ones(16, 1), None, 4), None, act)
+    # A remainder of just under half a step: the second digit carries instead of clipping.
+    x = torch.full((1, 32), 10.499)
+    x[0, 0] = 127.0  # d = 1
+    step = 1 / 2 if act == "int8" else 1 / 512
+    assert (layer(x)[0] - 9 * x.sum()).abs().max() <= step * 9 * 32 * 1.01
+    # NaN or inf in a block gives NaN outputs, as a float matmul would, not finite numbers.
+    for bad in (float("nan"), float("inf")):
+        y = torch.randn(2, 32)
+        y[1, 5] = bad
+        out = layer(y)
+        assert out[1].isnan().all() and out[0].isfinite().all()
+    # Blocks too small for 127 / max|x| to be finite count as zeros.
+    assert layer(torch.full((1, 32), 1e-38)).abs().max() < 1e-30
+    # Shapes the kernel cannot take are refused before it reads anything.
+    with pytest.raises(ValueError, match=r"taking \(M, 32\)"):
+        layer(torch.randn(2, 16))
+
+
+@needs_int8_kernel
 def test_int16_activations_are_closer_than_float32_ones():
     """Two int8 digits plus exact weights beat the bf16 kernel's hi+lo activations (whose
     weights are rounded to bf16) by far on a float64 reference."""

@@ -23,6 +23,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -42,36 +43,57 @@ struct Args {
   int M, N, K;
 };
 
+// Round to the nearest integer, ties to even, whatever the thread's MXCSR rounding mode says.
+inline __m512i round_to_int(__m512 x) {
+  return _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 // 16 activations to int8 digits: q = round(x * inv) and, if q2, the remainder in 256ths of
-// 1 / inv. Returns the digits' sum per lane, q * 256 + q2 with two digits.
+// d = 1 / inv. Returns the stored digits' sum per lane, q * 256 + q2 with two digits.
 inline __m512i quantize16(__m512 x, __m512 inv, __m512 d, int8_t* q, int8_t* q2) {
-  // Round half to even (the MXCSR default); saturating, though |x * inv| <= 127 by construction.
-  const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(x, inv));
-  _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(qi));
-  if (!q2) return qi;
-  const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qi), d, x);  // |rest| <= ~d / 2
-  // Clamped to int8 before summing, so the sum is that of the stored digits.
-  const __m512i ri = _mm512_max_epi32(_mm512_min_epi32(
-      _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_mul_ps(rest, inv), _mm512_set1_ps(256.0f))),
-      _mm512_set1_epi32(127)), _mm512_set1_epi32(-128));
-  _mm_storeu_si128((__m128i*)q2, _mm512_cvtepi32_epi8(ri));
-  return _mm512_add_epi32(_mm512_slli_epi32(qi, 8), ri);
+  const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+  __m512i qi = round_to_int(_mm512_mul_ps(x, inv));  // |x * inv| <= 127 by construction
+  if (q2) {
+    const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qi), d, x);  // about [-d/2, d/2]
+    __m512i ri = round_to_int(_mm512_mul_ps(_mm512_mul_ps(rest, inv), _mm512_set1_ps(256.0f)));
+    // A remainder that rounds to +-128 carries into the first digit, so q2 fits in int8.
+    const __mmask16 up = _mm512_cmpgt_epi32_mask(ri, hi), down = _mm512_cmplt_epi32_mask(ri, lo);
+    qi = _mm512_mask_add_epi32(qi, up, qi, _mm512_set1_epi32(1));
+    ri = _mm512_mask_sub_epi32(ri, up, ri, _mm512_set1_epi32(256));
+    qi = _mm512_mask_sub_epi32(qi, down, qi, _mm512_set1_epi32(1));
+    ri = _mm512_mask_add_epi32(ri, down, ri, _mm512_set1_epi32(256));
+    ri = _mm512_max_epi32(_mm512_min_epi32(ri, hi), lo);
+    _mm_storeu_si128((__m128i*)q2, _mm512_cvtepi32_epi8(ri));
+    qi = _mm512_max_epi32(_mm512_min_epi32(qi, hi), lo);
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qi));
+    return _mm512_add_epi32(_mm512_slli_epi32(qi, 8), ri);
+  }
+  qi = _mm512_max_epi32(_mm512_min_epi32(qi, hi), lo);  // the sum is that of the stored digits
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qi));
+  return qi;
 }
 
 // Quantize rows of A per block of 32 to one or two int8 digits; `a` is float32 or bf16.
 // scale: the value of one unit of the last digit; sum: the block's sum of quantized values.
+// A block holding a NaN or an infinity gets a NaN scale, so its outputs are NaN rather than
+// finite nonsense; a block too small for 127 / max|a| to be finite is quantized as zero.
 template <typename T>
 void quantize(const T* a, int8_t* q, int8_t* q2, float* scale, float* sum, int M, int K) {
   const int G = K / 32;
 #pragma omp parallel for schedule(static) if ((int64_t)M * K > 32768)
   for (int64_t b = 0; b < (int64_t)M * G; ++b) {
     const __m512 x0 = load16(a + b * 32), x1 = load16(a + b * 32 + 16);
+    const bool nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const float d = amax / 127.0f;
-    const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f), dv = _mm512_set1_ps(d);
-    const __m512i s0 = quantize16(x0, inv, dv, q + b * 32, q2 ? q2 + b * 32 : nullptr);
-    const __m512i s1 = quantize16(x1, inv, dv, q + b * 32 + 16, q2 ? q2 + b * 32 + 16 : nullptr);
-    scale[b] = q2 ? d / 256.0f : d;
+    const bool bad = nan || std::isinf(amax);
+    float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    if (bad || !std::isfinite(inv)) inv = 0.0f;
+    const float d = inv > 0 ? amax / 127.0f : 0.0f;
+    const __m512i s0 = quantize16(x0, _mm512_set1_ps(inv), _mm512_set1_ps(d), q + b * 32,
+                                  q2 ? q2 + b * 32 : nullptr);
+    const __m512i s1 = quantize16(x1, _mm512_set1_ps(inv), _mm512_set1_ps(d), q + b * 32 + 16,
+                                  q2 ? q2 + b * 32 + 16 : nullptr);
+    scale[b] = bad ? NAN : q2 ? d / 256.0f : d;
     sum[b] = scale[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(s0, s1));  // exact integer
   }
 }

@@ -93,6 +93,8 @@ class BlockLinear:
         self.bias = None if bias is None else bias.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.k:  # the kernel would read past the end of x
+            raise ValueError(f"input of shape {tuple(x.shape)} for a linear layer taking (M, {self.k})")
         if x.dtype != torch.float32:
             x = x.to(torch.bfloat16)
         x = x.contiguous()
@@ -135,7 +137,8 @@ def pack_rows_int8(w: BlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
     low nibble holds block element 4v+i and high one 16+4v+i; V = 8 for 8-bit, element 4v+i),
     and consts ``(N/16, G, 2, 16)`` (16 scales, then 16 zeros), float16 when that holds them
     exactly (GGUF's are float16: less to stream in decode), else float32. 8-bit codes are signed
-    in the file; they are stored plus 128 with the zero lowered by 128 scales (exact)."""
+    in the file; they are stored plus 128 with the zero lowered by 128 scales (exact when the
+    zero is 0, as for Q8_0)."""
     n, g = w.scale.shape
     pad = -n % INT8_GROUP
     zero = w.zero if w.zero is not None else torch.zeros_like(w.scale)
