@@ -36,8 +36,9 @@ RUNTIME_MARGIN_FRACTION = 0.05
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Bytes per entry of the embedding table, by act_dtype (integer activations leave it float32).
 _TABLE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 4, "int16": 4}
-# Bytes per weight of each weight format. Block formats hold 32 weights (4-bit, 8-bit or bf16
-# codes) with a float32 scale and zero; "native" keeps what the file has, at most bf16 blocks.
+# Bytes per weight of each weight format, at most. Block formats hold 32 weights (4-bit, 8-bit
+# or bf16 codes) with a float32 scale and zero (the int8 kernel keeps GGUF's as float16, half
+# that); "native" keeps what the file has, at most bf16 blocks.
 _WEIGHT_BYTES = {"float32": 4, "float16": 2, "bfloat16": (64 + 8) / 32, "int4": (16 + 8) / 32,
                  "int8": (32 + 8) / 32, "native": (64 + 8) / 32}
 _GiB = 1 << 30

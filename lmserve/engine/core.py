@@ -58,9 +58,9 @@ class EngineCore:
 
         weight_format = resolve_weight_format(opt.weight_dtype)
         weights = load_weights(path, keep_blocks=weight_format not in FLOAT_DTYPES)
-        model = model_class(self.args.architecture)(
-            self.args, weights, weight_format, resolve_act_dtype(opt.act_dtype),
-            resolve_act_dtype(opt.mlp_act_dtype or opt.act_dtype))
+        act = resolve_act_dtype(opt.act_dtype)
+        mlp_act = resolve_act_dtype(opt.mlp_act_dtype) if opt.mlp_act_dtype else act
+        model = model_class(self.args.architecture)(self.args, weights, weight_format, act, mlp_act)
         del weights
         self.tokenizer = Tokenizer.from_model(path)
 

@@ -53,24 +53,22 @@ inline __m512i round_to_int(__m512 x) {
 inline __m512i quantize16(__m512 x, __m512 inv, __m512 d, int8_t* q, int8_t* q2) {
   const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
   __m512i qi = round_to_int(_mm512_mul_ps(x, inv));  // |x * inv| <= 127 by construction
+  __m512i ri = _mm512_setzero_si512();
   if (q2) {
     const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qi), d, x);  // about [-d/2, d/2]
-    __m512i ri = round_to_int(_mm512_mul_ps(_mm512_mul_ps(rest, inv), _mm512_set1_ps(256.0f)));
+    ri = round_to_int(_mm512_mul_ps(_mm512_mul_ps(rest, inv), _mm512_set1_ps(256.0f)));
     // A remainder that rounds to +-128 carries into the first digit, so q2 fits in int8.
     const __mmask16 up = _mm512_cmpgt_epi32_mask(ri, hi), down = _mm512_cmplt_epi32_mask(ri, lo);
-    qi = _mm512_mask_add_epi32(qi, up, qi, _mm512_set1_epi32(1));
-    ri = _mm512_mask_sub_epi32(ri, up, ri, _mm512_set1_epi32(256));
-    qi = _mm512_mask_sub_epi32(qi, down, qi, _mm512_set1_epi32(1));
-    ri = _mm512_mask_add_epi32(ri, down, ri, _mm512_set1_epi32(256));
+    qi = _mm512_mask_sub_epi32(_mm512_mask_add_epi32(qi, up, qi, _mm512_set1_epi32(1)), down, qi,
+                               _mm512_set1_epi32(1));
+    ri = _mm512_mask_add_epi32(_mm512_mask_sub_epi32(ri, up, ri, _mm512_set1_epi32(256)), down, ri,
+                               _mm512_set1_epi32(256));
     ri = _mm512_max_epi32(_mm512_min_epi32(ri, hi), lo);
     _mm_storeu_si128((__m128i*)q2, _mm512_cvtepi32_epi8(ri));
-    qi = _mm512_max_epi32(_mm512_min_epi32(qi, hi), lo);
-    _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qi));
-    return _mm512_add_epi32(_mm512_slli_epi32(qi, 8), ri);
   }
-  qi = _mm512_max_epi32(_mm512_min_epi32(qi, hi), lo);  // the sum is that of the stored digits
+  qi = _mm512_max_epi32(_mm512_min_epi32(qi, hi), lo);  // sums are of the stored digits
   _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qi));
-  return qi;
+  return q2 ? _mm512_add_epi32(_mm512_slli_epi32(qi, 8), ri) : qi;
 }
 
 // Quantize rows of A per block of 32 to one or two int8 digits; `a` is float32 or bf16.

@@ -33,32 +33,36 @@ ACT_TENSOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                      **{name: torch.float32 for name in INT_ACT_DIGITS}}
 
 
+_P, _I = ctypes.c_void_p, ctypes.c_int
+
+
 def _library() -> Optional[ctypes.CDLL]:
-    P, I = ctypes.c_void_p, ctypes.c_int  # noqa: E741
-    return load_kernel_library("block_gemm", {"lm_block_gemm": [P, I, P, P, P, I, I, I, I, I, I]})
+    return load_kernel_library("block_gemm", {"lm_block_gemm": [_P, _I, _P, _P, _P] + [_I] * 6})
 
 
 def _int8_library() -> Optional[ctypes.CDLL]:
-    P, I = ctypes.c_void_p, ctypes.c_int  # noqa: E741
-    return load_kernel_library("int8_gemm", {"lm_int8_gemm": [P, I, P, P, P, I, I, I, I, I, I, I, I]})
+    return load_kernel_library("int8_gemm", {"lm_int8_gemm": [_P, _I, _P, _P, _P] + [_I] * 8})
+
+
+def _why_not_built(library, name: str) -> Optional[str]:
+    """Why the kernel ``library()`` loads cannot be used here, or None."""
+    reason = why_unavailable()
+    if reason is None and library() is None:
+        return f"the C++ {name} kernel failed to build (see the log)"
+    return reason
 
 
 @functools.cache
 def block_kernel_unavailable() -> Optional[str]:
     """Why block weights cannot be used on this machine, or None."""
-    reason = why_unavailable()
-    if reason is None and _library() is None:
-        return "the block kernel failed to build (see the log)"
-    return reason
+    return _why_not_built(_library, "block")
 
 
 @functools.cache
 def int8_kernel_unavailable() -> Optional[str]:
-    """Why int8/int16 activations cannot be used on this machine, or None."""
-    reason = block_kernel_unavailable()
-    if reason is None and _int8_library() is None:
-        return "the C++ int8 kernel failed to build (does the CPU have AVX-512 VNNI?)"
-    return reason
+    """Why int8/int16 activations cannot be used on this machine, or None (it needs AVX-512
+    VNNI, and the block kernel for the layers it does not take)."""
+    return block_kernel_unavailable() or _why_not_built(_int8_library, "int8")
 
 
 class DenseLinear:
@@ -116,16 +120,30 @@ Linear = Union[DenseLinear, BlockLinear]
 PACK = 4  # weight rows the kernel interleaves in memory (kPack in block_gemm.cpp)
 
 
+def _grouped_consts(scale: torch.Tensor, zero: torch.Tensor, rows: int) -> torch.Tensor:
+    """Block constants for rows interleaved in groups of ``rows`` (N padded to a multiple):
+    ``(N/rows, G, 2, rows)``, each group's scales, then its zeros, block by block."""
+    n, g = scale.shape
+    pad = -n % rows
+    consts = F.pad(torch.stack([scale, zero]), (0, 0, 0, pad)).view(2, (n + pad) // rows, rows, g)
+    return consts.permute(1, 3, 0, 2).contiguous()
+
+
+def _grouped_codes(codes: torch.Tensor, rows: int, *block: int) -> torch.Tensor:
+    """Codes ``(N, G, bytes)`` viewed as ``(N/rows, rows, G, *block)`` (N padded with zero rows
+    to a multiple of ``rows``, a block's bytes shaped ``block``); callers order the axes."""
+    n, g = codes.shape[:2]
+    pad = -n % rows
+    return F.pad(codes, (0, 0, 0, 0, 0, pad)).view((n + pad) // rows, rows, g, *block)
+
+
 def pack_rows(w: BlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's layout: rows in groups of 4 interleaved block by block (N padded to a
+    """The bf16 kernel's layout: rows in groups of 4 interleaved block by block (N padded to a
     multiple of 4), so a strip of 4 rows is one contiguous stream. Returns codes
     ``(N/4, G, 4, bytes)`` and consts ``(N/4, G, 2, 4)`` (the 4 scales, then the 4 zeros)."""
-    n, g = w.scale.shape
-    pad = -n % PACK
     zero = w.zero if w.zero is not None else torch.zeros_like(w.scale)
-    codes = F.pad(w.codes, (0, 0, 0, 0, 0, pad)).view((n + pad) // PACK, PACK, g, -1)
-    consts = F.pad(torch.stack([w.scale, zero]), (0, 0, 0, pad)).view(2, (n + pad) // PACK, PACK, g)
-    return codes.transpose(1, 2).contiguous(), consts.permute(1, 3, 0, 2).contiguous()
+    codes = _grouped_codes(w.codes, PACK, -1).transpose(1, 2).contiguous()
+    return codes, _grouped_consts(w.scale, zero, PACK)
 
 
 INT8_GROUP = 16  # weight rows the int8 kernel computes per vector (int8_gemm.cpp)
@@ -139,20 +157,16 @@ def pack_rows_int8(w: BlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
     exactly (GGUF's are float16: less to stream in decode), else float32. 8-bit codes are signed
     in the file; they are stored plus 128 with the zero lowered by 128 scales (exact when the
     zero is 0, as for Q8_0)."""
-    n, g = w.scale.shape
-    pad = -n % INT8_GROUP
     zero = w.zero if w.zero is not None else torch.zeros_like(w.scale)
     codes = w.codes
     if w.bits == 8:
         codes = (codes.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
         zero = zero - 128 * w.scale
-    groups = (n + pad) // INT8_GROUP
-    codes = F.pad(codes, (0, 0, 0, 0, 0, pad)).view(groups, INT8_GROUP, g, -1, 4)
-    consts = F.pad(torch.stack([w.scale, zero]), (0, 0, 0, pad)).view(2, groups, INT8_GROUP, g)
-    consts = consts.permute(1, 3, 0, 2).contiguous()
+    codes = _grouped_codes(codes, INT8_GROUP, -1, 4).permute(0, 2, 3, 1, 4).contiguous()
+    consts = _grouped_consts(w.scale, zero, INT8_GROUP)
     if torch.equal(consts.half().float(), consts):
         consts = consts.half()
-    return codes.permute(0, 2, 3, 1, 4).contiguous(), consts
+    return codes, consts
 
 
 def _dense(parts: list[Weight]) -> torch.Tensor:
