@@ -29,21 +29,22 @@ def dense_attention(q, k, v):
 def run_step(backend, caches, full, pages, query_lens, done, rotary=None):
     """One step where seq i has ``done[i]`` tokens cached and adds ``query_lens[i]``; ``full``
     holds each sequence's fused qkv rows. Without ``rotary`` the angles are zero (no rotation)."""
+    hd = backend.shape.head_dim
     qkv = torch.cat([f[d : d + n] for f, n, d in zip(full, query_lens, done)])
     pos = torch.cat([torch.arange(d, d + n) for n, d in zip(query_lens, done)])
     if rotary is None:
-        cos, sin = torch.ones(len(pos), HD), torch.zeros(len(pos), HD)
+        cos, sin = torch.ones(len(pos), hd), torch.zeros(len(pos), hd)
     else:
         cos, sin = rotary.lookup(pos)
     inp = AttentionInput(query_lens, [d + n for n, d in zip(query_lens, done)], pages)
     meta = backend.prepare(inp, PAGE, torch.device("cpu"))
-    return backend.forward(meta, qkv, cos, sin, *caches).view(-1, H, HD)
+    return backend.forward(meta, qkv, cos, sin, *caches).view(-1, H, hd)
 
 
-def split(qkv):
+def split(qkv, hd=HD):
     L = qkv.shape[0]
-    q, k, v = qkv.split([H * HD, KVH * HD, KVH * HD], -1)
-    return q.view(L, H, HD), k.view(L, KVH, HD), v.view(L, KVH, HD)
+    q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], -1)
+    return q.view(L, H, hd), k.view(L, KVH, hd), v.view(L, KVH, hd)
 
 
 @pytest.mark.parametrize("name", [BACKENDS[0], pytest.param(BACKENDS[1], marks=needs_kernel)])
@@ -75,18 +76,19 @@ def test_decode_prefill_and_prefix_chunk_in_one_batch_match_dense(name):
 
 
 @needs_kernel
+@pytest.mark.parametrize("hd", [16, 64, 128])  # 64 and 128 are compiled for their size
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_torch_path_with_rotary_and_bf16_cache(dtype):
+def test_kernel_matches_torch_path_with_rotary_and_bf16_cache(dtype, hd):
     """Rotation, bf16 cache store and attention against the torch backend (tolerance: one bf16
     rounding of the output, 1e-2 relative; 1e-5 in float32)."""
     torch.manual_seed(1)
-    rotary = RotaryEmbedding(HD, 64, 10000.0)
+    rotary = RotaryEmbedding(hd, 64, 10000.0)
     pages = [[3, 7, 1, 12, 4], [8, 2, 9]]
-    full = [torch.randn(L, (H + 2 * KVH) * HD).to(dtype) for L in (19, 10)]
+    full = [torch.randn(L, (H + 2 * KVH) * hd).to(dtype) for L in (19, 10)]
     outs, caches = [], []
     for name in BACKENDS:
-        c = (torch.zeros(64, KVH, HD, dtype=torch.bfloat16), torch.zeros(64, KVH, HD, dtype=torch.bfloat16))
-        backend = create_backend(name, SHAPE)
+        c = (torch.zeros(64, KVH, hd, dtype=torch.bfloat16), torch.zeros(64, KVH, hd, dtype=torch.bfloat16))
+        backend = create_backend(name, AttentionShape(H, KVH, hd))
         a = run_step(backend, c, full, pages, [12, 10], [0, 0], rotary)
         b = run_step(backend, c, full, pages, [7, 0], [12, 10], rotary)
         outs.append(torch.cat([a, b]).float())
@@ -95,23 +97,24 @@ def test_kernel_matches_torch_path_with_rotary_and_bf16_cache(dtype):
     torch.testing.assert_close(outs[1], outs[0], **tol)
     torch.testing.assert_close(caches[1][0].float(), caches[0][0].float(), **tol)
     # The cached keys are the rotated keys: position 13 of seq 0 sits on page 12, offset 1.
-    _, k, _ = split(full[0].float())
+    _, k, _ = split(full[0].float(), hd)
     cos, sin = rotary.lookup(torch.tensor([13]))
     rotated = apply_rotary(k[13:14], cos, sin)[0]
     torch.testing.assert_close(caches[1][0][12 * PAGE + 1].float(), rotated, atol=1e-2, rtol=1e-2)
 
 
 @needs_kernel
-def test_kernel_rows_do_not_depend_on_batch_company():
+@pytest.mark.parametrize("hd", [16, 64])
+def test_kernel_rows_do_not_depend_on_batch_company(hd):
     """A token's output is bit-identical decoded alone, decoded with others, or inside a prefill
     chunk (its keys identical): the kernel's per-row arithmetic never depends on the batch."""
     torch.manual_seed(2)
-    backend = create_backend("cpu_paged", SHAPE)
+    backend = create_backend("cpu_paged", AttentionShape(H, KVH, hd))
     pages = [list(range(0, 12)), list(range(12, 20)), list(range(20, 26))]
-    full = [torch.randn(L, (H + 2 * KVH) * HD).bfloat16() for L in (45, 30, 21)]
+    full = [torch.randn(L, (H + 2 * KVH) * hd).bfloat16() for L in (45, 30, 21)]
 
     def fresh():
-        return torch.zeros(128, KVH, HD, dtype=torch.bfloat16), torch.zeros(128, KVH, HD, dtype=torch.bfloat16)
+        return torch.zeros(128, KVH, hd, dtype=torch.bfloat16), torch.zeros(128, KVH, hd, dtype=torch.bfloat16)
 
     # Whole prompt of seq 0 in one chunk: row 44 is its last token.
     whole = run_step(backend, fresh(), full, pages, [45, 0, 0], [0, 0, 0])[44]

@@ -68,7 +68,7 @@ constexpr int kMaxRows = 16;  // query rows (tokens x heads of one KV head) shar
 // Attention of the rows of `tokens` consecutive tokens of one sequence (token i sees keys
 // [0, ctx[i])) and the G query heads sharing KV head `kvh`. Each key block of 16 is widened to
 // float32 once and used by every row; a row's arithmetic is the same as if it were alone.
-template <typename Cache, typename Out>
+template <int kDV, typename Cache, typename Out>
 void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages,
                   const int32_t* ctx, int tokens, int kvh, int G, int H, int KVH, int D,
                   int page_size, float scale, Out* out) {
@@ -81,13 +81,24 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
     l[r] = 0.f;
     memset(acc[r], 0, sizeof(float) * D);
   }
-  const int DV = D / 16;
+  const int DV = kDV ? kDV : D / 16;  // compile-time for common head sizes: registers, unrolled
   const int n_keys = ctx[tokens - 1];  // the last token sees the most keys
   // Blocks are aligned to absolute key positions, so the order of every floating-point
   // operation of a row depends only on that row's context length.
   for (int start = 0; start < n_keys; start += 16) {
     const int n = std::min(16, n_keys - start);
     int page = start / page_size, offset = start % page_size;  // of key `start`; stepped below
+    // Ask for the next block's rows now: with many streams the KV is not in cache, and the
+    // widening below would otherwise wait on each row in turn.
+    for (int j = 0, next = start + 16; j < 16 && next + j < n_keys; ++j) {
+      const int64_t slot = (int64_t)pages[(next + j) / page_size] * page_size + (next + j) % page_size;
+      const char* k_row = (const char*)(kc + (slot * KVH + kvh) * D);
+      const char* v_row = (const char*)(vc + (slot * KVH + kvh) * D);
+      for (int b = 0; b < D * (int)sizeof(Cache); b += 64) {
+        _mm_prefetch(k_row + b, _MM_HINT_T0);
+        _mm_prefetch(v_row + b, _MM_HINT_T0);
+      }
+    }
     for (int j = 0; j < 16; ++j) {
       if (j < n) {
         const int64_t slot = (int64_t)pages[page] * page_size + offset;
@@ -133,14 +144,19 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
       m[r] = m_new;
       _mm512_store_ps(pj[r], p);
     }
+    // Keys outer, head-dim chunks inner: the DV accumulators are independent FMA chains that
+    // overlap (one chain per chunk would wait on the FMA latency at every key). Each element
+    // still sums its keys in key order, so the result is the same.
     for (int r = 0; r < R; ++r) {
       if (n_row[r] <= 0) continue;
-      for (int d = 0; d < DV; ++d) {
-        __m512 a = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * d), _mm512_set1_ps(alpha[r]));
-        for (int j = 0; j < n_row[r]; ++j)
-          a = _mm512_fmadd_ps(_mm512_set1_ps(pj[r][j]), _mm512_load_ps(vf[j] + 16 * d), a);
-        _mm512_store_ps(acc[r] + 16 * d, a);
+      __m512 a[kMaxD / 16];
+      for (int d = 0; d < DV; ++d)
+        a[d] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * d), _mm512_set1_ps(alpha[r]));
+      for (int j = 0; j < n_row[r]; ++j) {
+        const __m512 p = _mm512_set1_ps(pj[r][j]);
+        for (int d = 0; d < DV; ++d) a[d] = _mm512_fmadd_ps(p, _mm512_load_ps(vf[j] + 16 * d), a[d]);
       }
+      for (int d = 0; d < DV; ++d) _mm512_store_ps(acc[r] + 16 * d, a[d]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -170,9 +186,11 @@ void attention(const float* q, const Cache* kc, const Cache* vc, const int32_t* 
   for (int i = 0; i < groups; ++i)
     for (int kvh = 0; kvh < KVH; ++kvh) {
       const int t = group_start[i];
-      attend_group(q + ((int64_t)t * H + kvh * G) * D, kc, vc, pages + page_off[t], ctx + t,
-                   group_start[i + 1] - t, kvh, G, H, KVH, D, page_size, scale,
-                   out + ((int64_t)t * H + kvh * G) * D);
+      auto* group = D == 64 ? attend_group<4, Cache, Out>
+                  : D == 128 ? attend_group<8, Cache, Out> : attend_group<0, Cache, Out>;
+      group(q + ((int64_t)t * H + kvh * G) * D, kc, vc, pages + page_off[t], ctx + t,
+            group_start[i + 1] - t, kvh, G, H, KVH, D, page_size, scale,
+            out + ((int64_t)t * H + kvh * G) * D);
     }
 }
 
