@@ -61,6 +61,23 @@ def sdpa_inputs(qlens, ctxs):
     return calls
 
 
+def backend_call(backend, inp, qkv, cos, sin, caches):
+    """One layer's attention call of ``backend`` on the batch ``inp``, by layer index."""
+    meta = backend.prepare(inp, PAGE, torch.device("cpu"))
+    return lambda layer: backend.forward(meta, qkv, cos, sin, *caches[layer])
+
+
+def sdpa_call(qlens, ctxs):
+    """torch's sdpa on the batch, K/V contiguous per sequence, by layer index."""
+    calls = [sdpa_inputs(qlens, ctxs) for _ in range(LAYERS)]
+
+    def run(layer: int) -> None:
+        for q, kv, mask in calls[layer]:
+            F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=0.5)
@@ -83,18 +100,9 @@ def main() -> None:
         qkv = torch.randn(T, (H + 2 * KVH) * HD)
         cos, sin = torch.ones(T, HD), torch.zeros(T, HD)
         flops = sum(4 * H * HD * (p + 1) for q, c in zip(qlens, ctxs) for p in range(c - q, c))
-        times = {}
-        for name, backend in backends.items():
-            meta = backend.prepare(inp, PAGE, torch.device("cpu"))
-            times[name] = per_call(lambda layer: backend.forward(meta, qkv, cos, sin, *caches[layer]),
-                                   args.seconds)
-        calls = [sdpa_inputs(qlens, ctxs) for _ in range(LAYERS)]
-
-        def sdpa(layer: int) -> None:
-            for q, kv, mask in calls[layer]:
-                F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
-
-        times["torch sdpa"] = per_call(sdpa, args.seconds)
+        times = {name: per_call(backend_call(backend, inp, qkv, cos, sin, caches), args.seconds)
+                 for name, backend in backends.items()}
+        times["torch sdpa"] = per_call(sdpa_call(qlens, ctxs), args.seconds)
         cells = "".join(f"{1e3 * t:>9.3f} ({flops / t / 1e9:5.1f})" for t in times.values())
         ratios = ", ".join(f"{times[p] / times['cpu_paged']:.2f}x {p}" for p in ("torch_native", "torch sdpa"))
         print(f"{label:32} {cells}  {ratios}")
