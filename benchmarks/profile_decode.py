@@ -1,8 +1,10 @@
 """Where a step spends its time, by component: one decode stream, or a server-like load.
 
-Wraps the model's pieces (each linear layer by shape, the attention call, the head, the whole
-step) with wall-clock timers on the engine thread and prints milliseconds per step. Kernels are
-C++ calls, invisible to torch.profiler, hence timers.
+Wraps the model's pieces (the decoder layers' call list, the head, the whole step) with
+wall-clock timers on the engine thread and prints milliseconds per step. Kernels are C++ calls,
+invisible to torch.profiler, hence timers. With ``--split-layers`` the layers run call by call
+from Python, as they do without the call list, so each matmul shape and the attention are timed
+apart (each time includes that call's Python overhead, which the call list does not pay).
 
 By default one stream generates ``--tokens`` tokens greedily after a short prompt. With
 ``--concurrency C``, ``--requests`` random prompts of ``--prompt-len`` tokens are served by
@@ -10,7 +12,7 @@ mode=server with at most C in flight (threads calling ``Engine.generate``), as
 benchmarks/server_concurrency.py loads the HTTP server, and each part's share of the time is
 printed too.
 
-    .venv/bin/python benchmarks/profile_decode.py [--opt O2] [--tokens 128]
+    .venv/bin/python benchmarks/profile_decode.py [--opt O2] [--tokens 128] [--split-layers]
     .venv/bin/python benchmarks/profile_decode.py --concurrency 16 --requests 64 --prompt-len 261
 """
 
@@ -27,7 +29,7 @@ from lmserve import Engine, SamplingParams
 from lmserve.attention.base import AttentionBackend
 from lmserve.engine.core import EngineCore
 from lmserve.layers import linear
-from lmserve.models.llama import LlamaModel
+from lmserve.models.llama import LayerCalls, LlamaModel
 
 totals: collections.Counter = collections.Counter()
 
@@ -52,6 +54,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=0, help="0: one stream, no server load")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=261)
+    ap.add_argument("--split-layers", action="store_true",
+                    help="run the layers call by call from Python to time each kernel")
     args = ap.parse_args()
 
     timed(linear.BlockLinear, "__call__", lambda s: f"matmul {s.n}x{s.k} ({s.bits}-bit)")
@@ -59,7 +63,10 @@ def main() -> None:
     timed(EngineCore, "step", lambda s: "step (total)")
     timed(LlamaModel, "forward", lambda s: "model forward")
     timed(LlamaModel, "logits", lambda s: "head (logits)")
+    timed(LayerCalls, "run", lambda s: "decoder layers (one C++ call list)")
     engine = Engine(opt=args.opt, verbose=False, **({"mode": "server"} if args.concurrency else {}))
+    if args.split_layers:
+        engine._core.runner.layer_calls = None
     timed(type(engine._core.runner.backend), "forward", lambda s: "attention (rope+store+attend)")
     assert issubclass(type(engine._core.runner.backend), AttentionBackend)
 
@@ -79,11 +86,12 @@ def main() -> None:
         print(f"opt={args.opt}: {steps} tokens in {wall:.2f} s = {steps / wall:.1f} tok/s "
               f"({1e3 * wall / steps:.2f} ms a token; the first step also prefills the prompt)")
     engine.shutdown()
-    inside_forward = sum(v for k, v in totals.items()
-                         if k.startswith("attention") or (k.startswith("matmul") and vocab not in k))
-    layer_ops = totals["model forward"] - inside_forward
+    inside_forward = sum(v for k, v in totals.items() if k.startswith(("attention", "decoder layers"))
+                         or (k.startswith("matmul") and vocab not in k))
+    rest = totals["model forward"] - inside_forward
     rows = sorted(totals.items(), key=lambda kv: -kv[1])
-    rows.append(("other layer ops (norms, SiLU, residual, embedding)", layer_ops))
+    rows.append(("rest of the forward (embedding, final norm"
+                 + ("; layers' norms, SiLU)" if args.split_layers else ")"), rest))
     for name, seconds in rows:
         share = f"  {100 * seconds / totals['step (total)']:5.1f}%" if args.concurrency else ""
         print(f"  {name:52} {1e3 * seconds / steps:7.3f} ms/step{share}")

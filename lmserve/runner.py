@@ -22,6 +22,7 @@ class ModelRunner:
         self.ops = ops
         self.device = device
         self.rotary = model.rotary(max_positions, device)
+        self.layer_calls = model.layer_calls(backend, ops, kv)
 
     def execute(self, batch: Batch) -> torch.Tensor:
         """Logits ``(S, V)`` for the chunks of ``batch`` that sample, in batch order."""
@@ -49,6 +50,7 @@ class ModelRunner:
             cos=cos,
             sin=sin,
             kv=self.kv,
+            layer_calls=self.layer_calls,
         )
         hidden = self.model.forward(torch.tensor(input_ids, device=self.device), ctx)  # (T, D)
         if not last_token:

@@ -16,6 +16,7 @@ import torch
 
 from lmserve.attention.base import AttentionBackend, AttentionInput, AttentionShape, register_backend
 from lmserve.kernels.build import load_kernel_library, why_unavailable
+from lmserve.layers.call_list import THREADS, Arg, Slot, address, float_word
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
@@ -37,6 +38,11 @@ def why_unsupported(shape: AttentionShape, kv_dtype: torch.dtype) -> Optional[st
     if reason is None and _library() is None:
         reason = "the kernel failed to build (see the log)"
     return reason
+
+
+# A step's attention inputs shared by every layer's call (see packed_call).
+_META_SLOTS = tuple(Slot(f"attention.{name}") for name in ("cos", "sin", "slots", "pages", "page_offset", "context"))
+_PAGE_SIZE = Slot("attention.page_size")
 
 
 @dataclass
@@ -75,6 +81,25 @@ class CpuPagedBackend(AttentionBackend):
             context=torch.tensor(context, dtype=torch.int32),
             page_size=page_size,
         )
+
+    def packed_call(self, qkv: Arg, dtype: torch.dtype, q_buf: Arg, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, out: Arg, tokens: Arg) -> list[Arg]:
+        """``forward`` as a call for a ``CallList``: ``qkv`` (tokens, ...) of ``dtype`` (float32 or
+        bfloat16), ``out`` of the same dtype, ``q_buf`` float32 (tokens, H, hd) scratch; the
+        step's metadata and rotary angles are the slots ``call_values`` fills."""
+        io_bf16 = int(dtype == torch.bfloat16)  # qkv and out (bits 0 and 2, as in forward)
+        bf16 = io_bf16 | int(k_cache.dtype == torch.bfloat16) << 1 | io_bf16 << 2
+        return [address(self.lib.lm_paged_attention_packed), qkv, *_META_SLOTS[:3], q_buf,
+                k_cache.data_ptr(), v_cache.data_ptr(), *_META_SLOTS[3:], out, tokens,
+                self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim, _PAGE_SIZE,
+                float_word(self.shape.scale), bf16, THREADS]
+
+    @staticmethod
+    def call_values(meta: PagedMeta, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, int]:
+        """The step's values of the slots in ``packed_call`` (cos and sin contiguous)."""
+        tensors = (cos, sin, meta.slots, meta.pages, meta.page_offset, meta.context)
+        values = {slot.name: t.data_ptr() for slot, t in zip(_META_SLOTS, tensors)}
+        return values | {_PAGE_SIZE.name: meta.page_size}
 
     def forward(self, meta: PagedMeta, qkv, cos, sin, k_cache, v_cache):
         T, (H, KVH, hd) = qkv.shape[0], (self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim)

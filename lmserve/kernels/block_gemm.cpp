@@ -203,4 +203,10 @@ void lm_block_gemm(const void* a, int a_f32, const uint8_t* codes, const float* 
   else
     gemm<16>(p);
 }
+
+// The same with its arguments as 64-bit words, in order, for call lists (call_list.cpp).
+void lm_block_gemm_packed(const int64_t* a) {
+  lm_block_gemm((const void*)a[0], (int)a[1], (const uint8_t*)a[2], (const float*)a[3], (void*)a[4],
+                (int)a[5], (int)a[6], (int)a[7], (int)a[8], (int)a[9], (int)a[10]);
+}
 }

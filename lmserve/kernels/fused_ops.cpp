@@ -81,4 +81,13 @@ void lm_silu_mul(const void* gate_up, void* out, int bf16, int T, int F, int thr
   if (bf16) silu_mul((const uint16_t*)gate_up, (uint16_t*)out, T, F);
   else silu_mul((const float*)gate_up, (float*)out, T, F);
 }
+
+// Both with their arguments as 64-bit words, in order, for call lists (call_list.cpp).
+void lm_add_rms_norm_packed(const int64_t* a) {
+  lm_add_rms_norm((float*)a[0], (const void*)a[1], (int)a[2], (const float*)a[3], word_to_f32(a[4]),
+                  (void*)a[5], (int)a[6], (int)a[7], (int)a[8], (int)a[9]);
+}
+void lm_silu_mul_packed(const int64_t* a) {
+  lm_silu_mul((const void*)a[0], (void*)a[1], (int)a[2], (int)a[3], (int)a[4], (int)a[5]);
+}
 }

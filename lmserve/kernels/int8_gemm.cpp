@@ -250,4 +250,11 @@ void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* co
   else
     digits == 2 ? gemm<8, 2>(p) : gemm<8, 1>(p);
 }
+
+// The same with its arguments as 64-bit words, in order, for call lists (call_list.cpp).
+void lm_int8_gemm_packed(const int64_t* a) {
+  lm_int8_gemm((const void*)a[0], (int)a[1], (const uint8_t*)a[2], (const void*)a[3], (void*)a[4],
+               (int)a[5], (int)a[6], (int)a[7], (int)a[8], (int)a[9], (int)a[10], (int)a[11],
+               (int)a[12]);
+}
 }

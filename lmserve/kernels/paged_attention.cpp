@@ -230,4 +230,13 @@ void lm_paged_attention(const void* qkv, const float* cos, const float* sin, con
   }
 #undef LM_CASE
 }
+
+// The same with its arguments as 64-bit words, in order, for call lists (call_list.cpp).
+void lm_paged_attention_packed(const int64_t* a) {
+  lm_paged_attention((const void*)a[0], (const float*)a[1], (const float*)a[2], (const int64_t*)a[3],
+                     (float*)a[4], (void*)a[5], (void*)a[6], (const int32_t*)a[7],
+                     (const int64_t*)a[8], (const int32_t*)a[9], (void*)a[10], (int)a[11],
+                     (int)a[12], (int)a[13], (int)a[14], (int)a[15], word_to_f32(a[16]), (int)a[17],
+                     (int)a[18]);
+}
 }

@@ -28,6 +28,14 @@ inline __m512 load16(const uint16_t* p) {
 }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
+// A float passed in a 64-bit argument word of a packed call (its bits in the low half).
+inline float word_to_f32(int64_t w) {
+  const uint32_t u = (uint32_t)w;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
 inline float to_f32(uint16_t x) { return bf16_to_f32(x); }
 inline float to_f32(float x) { return x; }
 inline void store_elem(uint16_t* p, float f) { *p = f32_to_bf16(f); }

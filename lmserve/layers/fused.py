@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.kernels.build import load_kernel_library
+from lmserve.layers.call_list import THREADS, Arg, address, float_word
 
 
 class TorchOps:
@@ -57,6 +58,18 @@ class FusedOps:
             int(delta is not None and delta.dtype == torch.bfloat16), weight.data_ptr(), eps,
             out.data_ptr(), int(out_dtype == torch.bfloat16), T, D, torch.get_num_threads())
         return out
+
+    def packed_add_rms_norm(self, x: Arg, delta: Arg, delta_dtype: torch.dtype, weight: torch.Tensor,
+                            eps: float, out: Arg, out_dtype: torch.dtype, rows: Arg) -> list[Arg]:
+        """``add_rms_norm`` as a call for a ``CallList`` (``delta`` 0 for none)."""
+        return [address(self.lib.lm_add_rms_norm_packed), x, delta, int(delta_dtype == torch.bfloat16),
+                weight.data_ptr(), float_word(eps), out, int(out_dtype == torch.bfloat16), rows,
+                weight.shape[0], THREADS]
+
+    def packed_silu_mul(self, gate_up: Arg, out: Arg, dtype: torch.dtype, rows: Arg, width: int) -> list[Arg]:
+        """``silu_mul`` of ``gate_up`` (rows, 2 * width) into ``out`` as a call for a ``CallList``."""
+        return [address(self.lib.lm_silu_mul_packed), gate_up, out, int(dtype == torch.bfloat16), rows,
+                width, THREADS]
 
     def silu_mul(self, gate_up):
         if gate_up.dtype not in (torch.float32, torch.bfloat16):

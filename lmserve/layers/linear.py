@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from lmserve.kernels.build import load_kernel_library, why_unavailable
 from lmserve.layers.blocks import BLOCK, BlockWeight
+from lmserve.layers.call_list import THREADS, Arg, address
 
 logger = logging.getLogger("lmserve")
 
@@ -113,6 +114,18 @@ class BlockLinear:
         else:
             self.lib.lm_block_gemm(*args, torch.get_num_threads())
         return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def packed_call(self, x: Arg, dtype: torch.dtype, out: Arg, rows: Arg) -> list[Arg]:
+        """This matmul as a call for a ``CallList``: ``x`` (rows, K) of ``dtype`` (float32 or
+        bfloat16) into ``out`` (rows, N) of the same dtype, as ``__call__`` computes it (no bias:
+        the caller checks)."""
+        f32 = int(dtype == torch.float32)
+        args = [x, f32, self.codes.data_ptr(), self.consts.data_ptr(), out, 1 - f32, rows, self.n,
+                self.k, self.bits]
+        if self.digits:
+            half = int(self.consts.dtype == torch.float16)
+            return [address(self.lib.lm_int8_gemm_packed), *args, self.digits, half, THREADS]
+        return [address(self.lib.lm_block_gemm_packed), *args, THREADS]
 
 
 Linear = Union[DenseLinear, BlockLinear]

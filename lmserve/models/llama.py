@@ -12,10 +12,12 @@ from typing import Optional, Union
 import torch
 
 from lmserve.attention.base import AttentionBackend
+from lmserve.attention.cpu_paged import CpuPagedBackend
 from lmserve.cache.kv import KVCache
 from lmserve.layers.blocks import BlockWeight
+from lmserve.layers.call_list import THREADS, Arg, CallList, Slot, call_lists_available
 from lmserve.layers.fused import FusedOps, TorchOps
-from lmserve.layers.linear import ACT_TENSOR_DTYPES, Weight, make_linear
+from lmserve.layers.linear import ACT_TENSOR_DTYPES, BlockLinear, Weight, make_linear
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.args import ModelArgs
 
@@ -30,6 +32,24 @@ class ForwardContext:
     cos: torch.Tensor  # (T, hd)
     sin: torch.Tensor  # (T, hd)
     kv: KVCache
+    layer_calls: Optional[LayerCalls] = None  # the layers as one C++ call, where they can be
+
+
+@dataclass
+class LayerCalls:
+    """Every decoder layer of a step as one ``CallList``, and the buffers passed between calls."""
+
+    calls: CallList
+    buffers: dict[str, tuple[int, torch.dtype]]  # name -> (width, dtype), ``LlamaLayer.buffers``
+
+    def run(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Run the layers on the residual ``x`` (T, D) in place; returns the last MLP output."""
+        tokens = x.shape[0]
+        buffers = {name: torch.empty(tokens, width, dtype=dtype) for name, (width, dtype) in self.buffers.items()}
+        values = {name: b.data_ptr() for name, b in buffers.items()}
+        values |= {"x": x.data_ptr(), "tokens": tokens, THREADS.name: torch.get_num_threads()}
+        self.calls.run(values | ctx.backend.call_values(ctx.attn_meta, ctx.cos, ctx.sin))
+        return buffers["down"]
 
 
 class LlamaLayer:
@@ -73,6 +93,33 @@ class LlamaLayer:
         h = ops.add_rms_norm(x, self.o(attn), self.norm2, self.eps, self.mlp_dtype)
         return self.down(ops.silu_mul(self.gate_up(h)))
 
+    def buffers(self) -> dict[str, tuple[int, torch.dtype]]:
+        """The step buffers between the calls of ``packed_calls``: name -> (width, dtype)."""
+        d, f, heads = self.o.n, self.gate_up.n // 2, self.o.k  # o maps heads * hd -> hidden
+        return {"norm1": (d, self.dtype), "qkv": (self.qkv.n, self.dtype),
+                "q_rotated": (heads, torch.float32), "attn": (heads, self.dtype), "o": (d, self.dtype),
+                "norm2": (d, self.mlp_dtype), "gate_up": (2 * f, self.mlp_dtype),
+                "act": (f, self.mlp_dtype), "down": (d, self.mlp_dtype)}
+
+    def packed_calls(self, backend, ops: FusedOps, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     first: bool) -> list[list[Arg]]:
+        """``__call__`` as kernel calls for a ``CallList``: the same kernels on the same inputs in
+        the same order, on the step buffers of ``buffers`` and the residual ``x``, in place; the
+        MLP output is left in ``down``, which the next layer adds (none when ``first``)."""
+        x, t, dt, mdt = Slot("x"), Slot("tokens"), self.dtype, self.mlp_dtype
+        buf = {name: Slot(name) for name in self.buffers()}
+        return [
+            ops.packed_add_rms_norm(x, 0 if first else buf["down"], mdt, self.norm1, self.eps,
+                                    buf["norm1"], dt, t),
+            self.qkv.packed_call(buf["norm1"], dt, buf["qkv"], t),
+            backend.packed_call(buf["qkv"], dt, buf["q_rotated"], k_cache, v_cache, buf["attn"], t),
+            self.o.packed_call(buf["attn"], dt, buf["o"], t),
+            ops.packed_add_rms_norm(x, buf["o"], dt, self.norm2, self.eps, buf["norm2"], mdt, t),
+            self.gate_up.packed_call(buf["norm2"], mdt, buf["gate_up"], t),
+            ops.packed_silu_mul(buf["gate_up"], buf["act"], mdt, t, self.gate_up.n // 2),
+            self.down.packed_call(buf["act"], mdt, buf["down"], t),
+        ]
+
 
 class LlamaModel:
     """The whole decoder: embedding, layers, final norm and the language-model head."""
@@ -101,6 +148,18 @@ class LlamaModel:
                 and self.lm_head.weight.dtype == self.dtype:
             self.embed = self.lm_head.weight  # tied and dense in the same dtype: one copy
 
+    def layer_calls(self, backend: AttentionBackend, ops: Union[TorchOps, FusedOps],
+                    kv: KVCache) -> Optional[LayerCalls]:
+        """The layers as one C++ call a step, or None where a part of a layer is not a C++ kernel
+        (the torch paths, dense weights, biases) or the call-list runner did not build."""
+        linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if not (isinstance(ops, FusedOps) and isinstance(backend, CpuPagedBackend) and call_lists_available()
+                and all(isinstance(m, BlockLinear) and m.bias is None for m in linears)):
+            return None
+        calls = [call for i, layer in enumerate(self.layers)
+                 for call in layer.packed_calls(backend, ops, kv.k[i], kv.v[i], first=i == 0)]
+        return LayerCalls(CallList(calls), self.layers[0].buffers())
+
     def rotary(self, max_positions: int, device: torch.device) -> RotaryEmbedding:
         a = self.args
         return RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling, device)
@@ -109,9 +168,12 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states ``(T, D)`` after the final norm for the flat batch ``input_ids (T,)``."""
         x = self.embed[input_ids].float()  # (T, D) float32 residual stream, updated in place
-        delta = None
-        for i, layer in enumerate(self.layers):
-            delta = layer(x, delta, ctx, i)
+        if ctx.layer_calls is not None:
+            delta = ctx.layer_calls.run(x, ctx)
+        else:
+            delta = None
+            for i, layer in enumerate(self.layers):
+                delta = layer(x, delta, ctx, i)
         return ctx.ops.add_rms_norm(x, delta, self.norm, self.args.rms_norm_eps, self.dtype)
 
     @torch.inference_mode()

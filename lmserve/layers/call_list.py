@@ -1,0 +1,78 @@
+"""A fixed list of C++ kernel calls run by one call from Python (kernels/call_list.cpp).
+
+Calling a kernel from Python costs a few microseconds whatever it computes (ctypes argument
+conversion, output allocation, checks). A decode step of a small model makes hundreds of such
+calls, each computing little, so that fixed cost is a large share of a token. A ``CallList`` is
+built once from the calls' descriptions (a packed entry point's address, then its arguments as
+64-bit words); the arguments that change from step to step are ``Slot`` placeholders, filled
+with one vectorized op per run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from lmserve.kernels.build import load_kernel_library
+
+
+@dataclass(frozen=True)
+class Slot:
+    """An argument given at each run: a buffer's address, a token count, the thread count."""
+
+    name: str
+
+
+THREADS = Slot("threads")  # torch's thread count at the time of the run
+
+Arg = Union[int, Slot]
+
+
+def address(function: ctypes._CFuncPtr) -> int:
+    """The address of a kernel's C function, the first word of a call."""
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def float_word(x: float) -> int:
+    """A float32 argument as the 64-bit word the packed entry points read (bits in the low half)."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def _library():
+    return load_kernel_library("call_list", {"lm_run_calls": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]})
+
+
+def call_lists_available() -> bool:
+    """Whether the call-list runner builds on this machine."""
+    return _library() is not None
+
+
+class CallList:
+    """Calls ``[function address, arg, ...]`` run in order by ``run``, which fills the slots."""
+
+    def __init__(self, calls: list[list[Arg]]) -> None:
+        self.lib = _library()
+        if self.lib is None:
+            raise RuntimeError("the C++ call-list runner is not available on this machine")
+        self.names = sorted({a.name for call in calls for a in call if isinstance(a, Slot)})
+        index = {name: i + 1 for i, name in enumerate(self.names)}  # 0: a fixed argument
+        stride = max(len(call) for call in calls)
+        self.fixed = torch.zeros(len(calls), stride, dtype=torch.int64)
+        self.slots = torch.zeros(len(calls), stride, dtype=torch.int64)
+        for i, call in enumerate(calls):
+            for j, arg in enumerate(call):
+                if isinstance(arg, Slot):
+                    self.slots[i, j] = index[arg.name]
+                else:
+                    self.fixed[i, j] = arg
+
+    def run(self, values: dict[str, int]) -> None:
+        """Run every call with each slot set to ``values[name]``. The caller keeps the buffers
+        whose addresses it passes alive until this returns."""
+        given = torch.tensor([0] + [values[name] for name in self.names], dtype=torch.int64)
+        calls = torch.where(self.slots > 0, given[self.slots], self.fixed)
+        self.lib.lm_run_calls(calls.data_ptr(), calls.shape[0], calls.shape[1])

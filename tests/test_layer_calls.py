@@ -1,0 +1,77 @@
+"""The decoder layers as one C++ call list give exactly the bits of the layer-by-layer Python loop
+(same kernels, same inputs, same order), for every kernel a layer can use, and are only used
+where every part of a layer is a C++ kernel."""
+
+import pytest
+import torch
+
+from lmserve import Engine
+from lmserve.attention.base import AttentionInput, AttentionShape
+from lmserve.attention.cpu_paged import why_unsupported
+from lmserve.layers.linear import BlockLinear, int8_kernel_unavailable
+from lmserve.models.llama import ForwardContext
+from tiny_models import make_gguf_llama, make_hf_llama
+
+needs_kernels = pytest.mark.skipif(
+    why_unsupported(AttentionShape(4, 2, 16), torch.bfloat16) is not None or int8_kernel_unavailable() is not None,
+    reason="C++ kernels unavailable on this machine")
+
+
+def hidden_both_ways(engine: Engine, query_lens: list[int], done: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's final hidden states for one step (sequence i has ``done[i]`` tokens cached and
+    adds ``query_lens[i]``) computed with the call list and with the Python loop."""
+    core = engine._core
+    runner, page = core.runner, core.plan.page_size
+    ctx_lens = [d + n for d, n in zip(done, query_lens)]
+    tables = [core.pool.alloc(-(-c // page)) for c in ctx_lens]
+    try:
+        inp = AttentionInput(query_lens, ctx_lens, tables)
+        positions = torch.cat([torch.arange(d, d + n) for d, n in zip(done, query_lens)])
+        ids = torch.randint(0, core.args.vocab_size, (len(positions),), generator=torch.Generator().manual_seed(0))
+        cos, sin = runner.rotary.lookup(positions)
+        meta = runner.backend.prepare(inp, page, runner.device)
+        out = []
+        for calls in (runner.layer_calls, None):
+            ctx = ForwardContext(runner.backend, meta, runner.ops, cos, sin, runner.kv, calls)
+            out.append(runner.model.forward(ids, ctx))
+        return out[0], out[1]
+    finally:
+        for t in tables:
+            core.pool.release(t)
+
+
+@needs_kernels
+@pytest.mark.parametrize("opt", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("source", ["gguf Q4_1", "safetensors"])
+def test_layer_calls_match_the_python_loop_bit_for_bit(tmp_path, source, opt):
+    if source.startswith("gguf"):
+        path = make_gguf_llama(str(tmp_path / "m.gguf"), "Q4_1", num_layers=3, hidden_size=64,
+                               intermediate_size=128)
+    else:
+        path = make_hf_llama(str(tmp_path / "m"), num_layers=3)
+    engine = Engine(model=path, opt=opt, prefix_cache_mode="disable", max_num_sequence=4,
+                    max_total_sequence_length=512, verbose=False)
+    try:
+        assert engine._core.runner.layer_calls is not None
+        # A prompt's first chunk and a second prompt, then the rest of the first beside a decode.
+        with_calls, loop = hidden_both_ways(engine, [37, 5], [0, 0])
+        assert torch.equal(with_calls, loop)
+        with_calls, loop = hidden_both_ways(engine, [20, 1], [37, 5])
+        assert torch.equal(with_calls, loop)
+        assert with_calls.isfinite().all() and with_calls.abs().sum() > 0
+        # Both matmul kernels are covered: int8 digits for GGUF blocks at O2/O3, else bf16.
+        digits = {"O1": 0, "O2": 2, "O3": 1}[opt] if source.startswith("gguf") else 0
+        linears = [m for layer in engine._core.runner.model.layers for m in (layer.qkv, layer.o, layer.down)]
+        assert all(isinstance(m, BlockLinear) and m.digits == digits for m in linears)
+    finally:
+        engine.shutdown()
+
+
+def test_no_layer_calls_on_the_torch_path(tiny_model_dir):
+    engine = Engine(model=tiny_model_dir, opt="O0", verbose=False)
+    try:
+        assert engine._core.runner.layer_calls is None
+        out = engine.completions.create(prompt="Hello", max_tokens=3, temperature=0, ignore_eos=True)
+        assert out.usage.completion_tokens == 3
+    finally:
+        engine.shutdown()
