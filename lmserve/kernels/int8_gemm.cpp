@@ -220,6 +220,8 @@ template <int BITS, int DIGITS>
 void gemm(const Args& p) {
   if (p.M == 1)
     gemm_tiles<BITS, DIGITS, 1, 2>(p);
+  else if constexpr (DIGITS == 2)  // twice the integer accumulators: 3 rows fit the registers
+    gemm_tiles<BITS, DIGITS, 3, 2>(p);
   else
     gemm_tiles<BITS, DIGITS, 4, 2>(p);
 }
