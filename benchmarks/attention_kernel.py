@@ -2,8 +2,8 @@
 
 For each batch of a server load (a prefill chunk of 256 tokens, one after a cached prefix, 16
 decode streams, one decode stream, a chunk beside 16 decodes) times one layer's attention call,
-rotary embedding and KV store included, cycling over 30 layers' bfloat16 caches so the KV comes
-from memory as in the model. The peers on the same batch:
+rotary embedding and KV store included, cycling over 30 layers' bfloat16 caches (each backend's
+own layout) so the KV comes from memory as in the model. The peers on the same batch:
 
 - ``torch_native``: lmserve's torch backend (gathers each sequence's pages, then torch's
   ``scaled_dot_product_attention``), the path without the kernel;
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.attention.base import AttentionInput, AttentionShape, create_backend
+from lmserve.cache.kv import KVCache
 
 H, KVH, HD, PAGE, LAYERS = 9, 3, 64, 16, 30  # SmolLM2-135M
 BATCHES = [  # (label, new tokens per sequence, context per sequence)
@@ -85,9 +86,13 @@ def main() -> None:
     torch.manual_seed(0)
     shape = AttentionShape(H, KVH, HD)
     backends = {name: create_backend(name, shape) for name in ("cpu_paged", "torch_native")}
-    slots = PAGE * sum(-(-c // PAGE) for _, _, ctxs in BATCHES for c in ctxs)
-    caches = [(torch.randn(slots, KVH, HD).bfloat16(), torch.randn(slots, KVH, HD).bfloat16())
-              for _ in range(LAYERS)]
+    pages = sum(-(-c // PAGE) for _, _, ctxs in BATCHES for c in ctxs)
+    caches = {}  # each backend's 30 layers in its own layout, random bf16 values
+    for name, backend in backends.items():
+        kv = KVCache(LAYERS, pages, PAGE, KVH, HD, torch.bfloat16, keys_transposed=backend.keys_transposed)
+        for t in kv.k + kv.v:
+            t.copy_(torch.randn(t.shape))
+        caches[name] = list(zip(kv.k, kv.v))
     print(f"{torch.get_num_threads()} threads; ms per layer call (useful GFLOP/s)")
     print(f"{'batch':32} {'lmserve kernel':>18} {'torch_native':>18} {'torch sdpa':>18}  kernel speed-up")
     for label, qlens, ctxs in BATCHES:
@@ -100,7 +105,7 @@ def main() -> None:
         qkv = torch.randn(T, (H + 2 * KVH) * HD)
         cos, sin = torch.ones(T, HD), torch.zeros(T, HD)
         flops = sum(4 * H * HD * (p + 1) for q, c in zip(qlens, ctxs) for p in range(c - q, c))
-        times = {name: per_call(backend_call(backend, inp, qkv, cos, sin, caches), args.seconds)
+        times = {name: per_call(backend_call(backend, inp, qkv, cos, sin, caches[name]), args.seconds)
                  for name, backend in backends.items()}
         times["torch sdpa"] = per_call(sdpa_call(qlens, ctxs), args.seconds)
         cells = "".join(f"{1e3 * t:>9.3f} ({flops / t / 1e9:5.1f})" for t in times.values())

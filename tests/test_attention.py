@@ -6,6 +6,7 @@ import torch
 
 from lmserve.attention import cpu_paged
 from lmserve.attention.base import AttentionInput, AttentionShape, create_backend
+from lmserve.cache.kv import KVCache
 from lmserve.layers.rotary import RotaryEmbedding, apply_rotary
 
 H, KVH, HD, PAGE = 4, 2, 16, 4
@@ -41,6 +42,20 @@ def run_step(backend, caches, full, pages, query_lens, done, rotary=None):
     return backend.forward(meta, qkv, cos, sin, *caches).view(-1, H, hd)
 
 
+def make_caches(backend, num_pages, dtype=torch.float32):
+    """One layer's key and value caches, zero, in the backend's layout (see KVCache)."""
+    kv = KVCache(1, num_pages, PAGE, KVH, backend.shape.head_dim, dtype,
+                 keys_transposed=backend.keys_transposed)
+    return kv.k[0], kv.v[0]
+
+
+def key_at(backend, k_cache, slot):
+    """The cached key ``(KVH, hd)`` in ``slot``, whatever the backend's layout."""
+    if backend.keys_transposed:
+        return k_cache[slot // PAGE, :, :, slot % PAGE]
+    return k_cache[slot]
+
+
 def split(qkv, hd=HD):
     L = qkv.shape[0]
     q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], -1)
@@ -51,7 +66,7 @@ def split(qkv, hd=HD):
 def test_decode_prefill_and_prefix_chunk_in_one_batch_match_dense(name):
     torch.manual_seed(0)
     backend = create_backend(name, SHAPE)
-    caches = (torch.zeros(64, KVH, HD), torch.zeros(64, KVH, HD))
+    caches = make_caches(backend, 16)
     # Three sequences with full contexts of 7, 5 and 9 tokens, on scattered pages.
     lens = [7, 5, 9]
     pages = [[9, 2], [5, 14], [0, 11, 6]]
@@ -72,7 +87,7 @@ def test_decode_prefill_and_prefix_chunk_in_one_batch_match_dense(name):
     torch.testing.assert_close(out2[1], ref[1][4], **tol)
     torch.testing.assert_close(out2[2:], ref[2][4:], **tol)
     # Keys landed in the right slots: seq 2's 6th token (position 5) is on page 11, offset 1.
-    torch.testing.assert_close(caches[0][11 * PAGE + 1], split(full[2])[1][5])
+    torch.testing.assert_close(key_at(backend, caches[0], 11 * PAGE + 1), split(full[2])[1][5])
 
 
 @needs_kernel
@@ -85,22 +100,24 @@ def test_kernel_matches_torch_path_with_rotary_and_bf16_cache(dtype, hd):
     rotary = RotaryEmbedding(hd, 64, 10000.0)
     pages = [[3, 7, 1, 12, 4], [8, 2, 9]]
     full = [torch.randn(L, (H + 2 * KVH) * hd).to(dtype) for L in (19, 10)]
-    outs, caches = [], []
+    outs, keys, values = [], [], []
     for name in BACKENDS:
-        c = (torch.zeros(64, KVH, hd, dtype=torch.bfloat16), torch.zeros(64, KVH, hd, dtype=torch.bfloat16))
         backend = create_backend(name, AttentionShape(H, KVH, hd))
+        c = make_caches(backend, 16, torch.bfloat16)
         a = run_step(backend, c, full, pages, [12, 10], [0, 0], rotary)
         b = run_step(backend, c, full, pages, [7, 0], [12, 10], rotary)
         outs.append(torch.cat([a, b]).float())
-        caches.append(c)
+        keys.append(torch.stack([key_at(backend, c[0], slot) for slot in range(64)]).float())
+        values.append(c[1].float())
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(outs[1], outs[0], **tol)
-    torch.testing.assert_close(caches[1][0].float(), caches[0][0].float(), **tol)
+    torch.testing.assert_close(keys[1], keys[0], **tol)
+    torch.testing.assert_close(values[1], values[0], **tol)
     # The cached keys are the rotated keys: position 13 of seq 0 sits on page 12, offset 1.
     _, k, _ = split(full[0].float(), hd)
     cos, sin = rotary.lookup(torch.tensor([13]))
     rotated = apply_rotary(k[13:14], cos, sin)[0]
-    torch.testing.assert_close(caches[1][0][12 * PAGE + 1].float(), rotated, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(keys[1][12 * PAGE + 1], rotated, atol=1e-2, rtol=1e-2)
 
 
 @needs_kernel
@@ -114,7 +131,7 @@ def test_kernel_rows_do_not_depend_on_batch_company(hd):
     full = [torch.randn(L, (H + 2 * KVH) * hd).bfloat16() for L in (45, 30, 21)]
 
     def fresh():
-        return torch.zeros(128, KVH, hd, dtype=torch.bfloat16), torch.zeros(128, KVH, hd, dtype=torch.bfloat16)
+        return make_caches(backend, 32, torch.bfloat16)
 
     # Whole prompt of seq 0 in one chunk: row 44 is its last token.
     whole = run_step(backend, fresh(), full, pages, [45, 0, 0], [0, 0, 0])[44]

@@ -1,6 +1,5 @@
 """Page pool: exact ids, reference counts and errors; the KV tensors the pages index."""
 
-import os
 
 import pytest
 import torch
@@ -53,21 +52,37 @@ def test_pages_needed(tokens, expected):
     assert pages_needed(tokens, 16) == expected
 
 
-def _resident_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _memory_mib(t: torch.Tensor) -> float:
+    """Memory taken by the mapping holding ``t`` (its anonymous pages in /proc/self/smaps:
+    reading untouched memory maps the shared zero page, which is not counted; nor is the rest
+    of the process, freeing and allocating meanwhile)."""
+    address, inside = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Anonymous:":
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no mapping holds the tensor")
 
 
 def test_kv_cache_reads_as_zeros_and_takes_memory_only_where_written():
     """A server-sized cache must not cost its full size (or the time to zero it) up front."""
-    before = _resident_mib()
     kv = KVCache(num_layers=2, num_pages=16384, page_size=16, num_kv_heads=4, head_dim=64,
                  dtype=torch.bfloat16)  # 2 x 2 x 128 MiB
-    assert _resident_mib() - before < 64
     k = kv.k[1]
     assert k.shape == (16384 * 16, 4, 64) and k.dtype == torch.bfloat16 and k.is_contiguous()
+    assert _memory_mib(k) < 1
     k[100:116] = 1.5  # one page written
     assert k[100:116].eq(1.5).all() and k[:100].eq(0).all() and k[116:5000].eq(0).all()
-    assert _resident_mib() - before < 64
+    assert _memory_mib(k) < 1
     k[:] = 1  # now every byte of one layer's keys
-    assert _resident_mib() - before > 100
+    assert _memory_mib(k) > 100
+
+
+def test_kv_cache_transposed_keys_hold_each_pages_keys_by_dimension():
+    kv = KVCache(num_layers=1, num_pages=8, page_size=16, num_kv_heads=2, head_dim=32,
+                 keys_transposed=True)
+    assert kv.k[0].shape == (8, 2, 32, 16) and kv.v[0].shape == (8 * 16, 2, 32)

@@ -42,6 +42,10 @@ class AttentionBackend(ABC):
     Chosen once when the engine starts; ``prepare`` runs once per step, ``forward`` once per layer.
     """
 
+    # The key cache layout the backend reads and writes (see ``KVCache``): by slot, or each
+    # page's keys transposed per head.
+    keys_transposed: bool = False
+
     def __init__(self, shape: AttentionShape) -> None:
         self.shape = shape
 
@@ -56,7 +60,7 @@ class AttentionBackend(ABC):
         qkv: torch.Tensor,  # (T, (H + 2 * KVH) * hd): the fused q/k/v projection
         cos: torch.Tensor,  # (T, hd) float32 rotary angles of each token's position
         sin: torch.Tensor,  # (T, hd)
-        k_cache: torch.Tensor,  # (slots, KVH, hd)
+        k_cache: torch.Tensor,  # (slots, KVH, hd), or (pages, KVH, hd, page_size) if keys_transposed
         v_cache: torch.Tensor,  # (slots, KVH, hd)
     ) -> torch.Tensor:  # (T, H * hd) in qkv's dtype
         """Rotate q and k, write this step's keys/values into the cache, attend each query

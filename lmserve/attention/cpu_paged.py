@@ -56,6 +56,10 @@ class PagedMeta:
 
 @register_backend("cpu_paged")
 class CpuPagedBackend(AttentionBackend):
+    # A key block's scores are then sums of whole vectors (q[d] times 16 keys' dimension d), with
+    # no reduction across vector lanes, and a page's keys for one head are one contiguous run.
+    keys_transposed = True
+
     def __init__(self, shape: AttentionShape) -> None:
         super().__init__(shape)
         self.lib = _library()

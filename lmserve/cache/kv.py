@@ -21,15 +21,17 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # The tensor keeps the map alive; the map is unmapped when the tensor is freed.
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
 
 
 class KVCache:
     """Per-layer key/value buffers addressed by slot (``page * page_size + offset``).
 
-    Shapes: ``k[layer]`` and ``v[layer]`` are ``(num_pages * page_size, num_kv_heads, head_dim)``,
-    so a token's KV is written with one indexed copy and a sequence's KV is read by gathering the
-    slots of its pages.
+    Shapes: ``v[layer]`` is ``(num_pages * page_size, num_kv_heads, head_dim)``, so a token's
+    values are written with one indexed copy and a sequence's are read by gathering the slots of
+    its pages; ``k[layer]`` is the same, or with ``keys_transposed`` (the C++ attention kernel's
+    layout) ``(num_pages, num_kv_heads, head_dim, page_size)``: each page's keys per head as
+    ``head_dim`` rows of ``page_size``, so one dimension of consecutive keys is contiguous.
     """
 
     def __init__(
@@ -41,9 +43,10 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        keys_transposed: bool = False,
     ) -> None:
         self.page_size = page_size
-        self.num_slots = num_pages * page_size
-        shape = (self.num_slots, num_kv_heads, head_dim)
-        self.k = [zeros_on_demand(shape, dtype, device) for _ in range(num_layers)]
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        k_shape = (num_pages, num_kv_heads, head_dim, page_size) if keys_transposed else shape
+        self.k = [zeros_on_demand(k_shape, dtype, device) for _ in range(num_layers)]
         self.v = [zeros_on_demand(shape, dtype, device) for _ in range(num_layers)]

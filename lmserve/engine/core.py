@@ -12,6 +12,7 @@ import torch
 
 from lmserve.attention import resolve_attention
 from lmserve.attention.base import AttentionShape, create_backend
+from lmserve.attention.cpu_paged import CpuPagedBackend
 from lmserve.cache.kv import KVCache
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
@@ -65,20 +66,19 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_model(path)
 
         a, plan = self.args, self.plan
+        shape = AttentionShape(a.num_heads, a.num_kv_heads, a.head_dim)
+        backend = create_backend(resolve_attention(opt.attention, shape, FLOAT_DTYPES[opt.kv_dtype]), shape)
         kv = KVCache(a.num_layers, plan.num_pages, plan.page_size, a.num_kv_heads, a.head_dim,
-                     FLOAT_DTYPES[opt.kv_dtype], self.device)
+                     FLOAT_DTYPES[opt.kv_dtype], self.device, backend.keys_transposed)
         self.pool = PagePool(plan.num_pages)
         self.prefix_cache = self._make_prefix_cache(config, plan)
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_sequence,
                                    plan.prefill_chunk_size, config.prefill_mode, self.prefix_cache)
-        shape = AttentionShape(a.num_heads, a.num_kv_heads, a.head_dim)
-        backend = resolve_attention(opt.attention, shape, FLOAT_DTYPES[opt.kv_dtype])
         # cpu_paged means lmserve's C++ kernels throughout: attention and the element-wise ops.
         ops = TorchOps()
-        if backend == "cpu_paged":
+        if isinstance(backend, CpuPagedBackend):
             ops = FusedOps.create() or ops
-        self.runner = ModelRunner(model, kv, create_backend(backend, shape), ops,
-                                  plan.max_single_sequence_length, self.device)
+        self.runner = ModelRunner(model, kv, backend, ops, plan.max_single_sequence_length, self.device)
         self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
         self.requests: dict[str, Request] = {}
         self.counters = _Counters()

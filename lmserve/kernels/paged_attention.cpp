@@ -12,7 +12,9 @@
 //   qkv        (T, (H + 2*KVH) * D)   bf16 or fp32, the fused q/k/v projection output
 //   cos, sin   (T, D)                 fp32, rotate-half layout (both halves repeated)
 //   slots      (T,)                   int64 cache slot each token's k/v is stored in
-//   k/v cache  (num_slots, KVH, D)    bf16 or fp32; slot = page * page_size + offset
+//   k cache    (num_pages, KVH, D, page_size)  bf16 or fp32: each page's keys transposed per KV
+//                                    head, so 16 keys' values of one dimension are contiguous
+//   v cache    (num_slots, KVH, D)    bf16 or fp32; slot = page * page_size + offset
 //   page_off   (T,)                   int64 index into `pages` where the token's page list starts
 //   ctx        (T,)                   int32 keys the token sees (its position + 1)
 //   out        (T, H, D)              bf16 or fp32
@@ -31,20 +33,22 @@ using namespace lm;
 
 constexpr int kMaxD = 256;      // head_dim limit (multiple of 16)
 
-// Rotate one head (rotate-half layout) and write it to dst.
+// Rotate one head (rotate-half layout) and write it to dst, element i at dst[i * stride].
 template <typename Src, typename Dst>
-inline void rotate_head(const Src* x, const float* cos, const float* sin, Dst* dst, int D) {
+inline void rotate_head(const Src* x, const float* cos, const float* sin, Dst* dst, int D,
+                        int64_t stride = 1) {
   const int half = D / 2;
   for (int i = 0; i < half; ++i) {
     float a = to_f32(x[i]), b = to_f32(x[i + half]);
-    store_elem(dst + i, a * cos[i] - b * sin[i]);
-    store_elem(dst + i + half, b * cos[i + half] + a * sin[i + half]);
+    store_elem(dst + i * stride, a * cos[i] - b * sin[i]);
+    store_elem(dst + (i + half) * stride, b * cos[i + half] + a * sin[i + half]);
   }
 }
 
 template <typename QKV, typename Cache>
 void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const int64_t* slots,
-                    float* q_out, Cache* kc, Cache* vc, int T, int H, int KVH, int D) {
+                    float* q_out, Cache* kc, Cache* vc, int T, int H, int KVH, int D,
+                    int page_size) {
   const int64_t row = (int64_t)(H + 2 * KVH) * D;
 #pragma omp parallel for schedule(static)
   for (int t = 0; t < T; ++t) {
@@ -52,10 +56,11 @@ void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const in
     const float* c = cos + (int64_t)t * D;
     const float* s = sin + (int64_t)t * D;
     for (int h = 0; h < H; ++h) rotate_head(src + h * D, c, s, q_out + ((int64_t)t * H + h) * D, D);
-    Cache* kdst = kc + slots[t] * KVH * D;
-    Cache* vdst = vc + slots[t] * KVH * D;
+    const int64_t page = slots[t] / page_size, offset = slots[t] % page_size;
+    Cache* kdst = kc + page * KVH * D * page_size + offset;  // dimension d of head h at
+    Cache* vdst = vc + slots[t] * KVH * D;                    // kdst[(h * D + d) * page_size]
     for (int h = 0; h < KVH; ++h) {
-      rotate_head(src + (H + h) * D, c, s, kdst + h * D, D);
+      rotate_head(src + (H + h) * D, c, s, kdst + (int64_t)h * D * page_size, D, page_size);
       const QKV* v = src + (H + KVH + h) * D;
       for (int i = 0; i < D; ++i) store_elem(vdst + h * D + i, to_f32(v[i]));
     }
@@ -75,7 +80,7 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   const int R = tokens * G;  // rows: token-major, then head
   float m[kMaxRows], l[kMaxRows];
   alignas(64) float acc[kMaxRows][kMaxD];
-  alignas(64) float kf[16][kMaxD], vf[16][kMaxD];
+  alignas(64) float kt[kMaxD][16], vf[16][kMaxD];  // a block's keys transposed, its values
   for (int r = 0; r < R; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.f;
@@ -83,55 +88,85 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   }
   const int DV = kDV ? kDV : D / 16;  // compile-time for common head sizes: registers, unrolled
   const int n_keys = ctx[tokens - 1];  // the last token sees the most keys
+  // The keys [start, start + n) as runs within one page: fn(j, run, page id, offset in page).
+  // A block is one run when pages hold 16 keys or more (blocks are aligned to 16).
+  auto for_each_run = [&](int start, int n, auto fn) {
+    int page = start / page_size, offset = start % page_size;
+    for (int j = 0; j < n;) {
+      const int run = std::min(n - j, page_size - offset);
+      fn(j, run, (int64_t)pages[page], offset);
+      j += run;
+      offset += run;
+      if (offset == page_size) offset = 0, ++page;
+    }
+  };
+  // Where dimension d of a page's keys for this head starts (page_size keys follow).
+  auto key_dims = [&](int64_t page_id, int offset) {
+    return kc + (page_id * KVH + kvh) * D * page_size + offset;
+  };
   // Blocks are aligned to absolute key positions, so the order of every floating-point
   // operation of a row depends only on that row's context length.
   for (int start = 0; start < n_keys; start += 16) {
     const int n = std::min(16, n_keys - start);
-    int page = start / page_size, offset = start % page_size;  // of key `start`; stepped below
-    // Ask for the next block's rows now: with many streams the KV is not in cache, and the
-    // widening below would otherwise wait on each row in turn.
-    for (int j = 0, next = start + 16; j < 16 && next + j < n_keys; ++j) {
-      const int64_t slot = (int64_t)pages[(next + j) / page_size] * page_size + (next + j) % page_size;
-      const char* k_row = (const char*)(kc + (slot * KVH + kvh) * D);
-      const char* v_row = (const char*)(vc + (slot * KVH + kvh) * D);
-      for (int b = 0; b < D * (int)sizeof(Cache); b += 64) {
-        _mm_prefetch(k_row + b, _MM_HINT_T0);
-        _mm_prefetch(v_row + b, _MM_HINT_T0);
+    // Ask for the next block now: with many streams the KV is not in cache, and the widening
+    // below would otherwise wait on each row in turn.
+    for_each_run(start + 16, std::min(16, n_keys - start - 16), [&](int, int run, int64_t page_id, int offset) {
+      uintptr_t last = 0;  // rows of small pages share cache lines: one prefetch a line
+      for (int d = 0; d < D; ++d) {
+        const uintptr_t line = (uintptr_t)(key_dims(page_id, offset) + (int64_t)d * page_size) & ~(uintptr_t)63;
+        if (line != last) _mm_prefetch((const char*)line, _MM_HINT_T0), last = line;
       }
-    }
-    for (int j = 0; j < 16; ++j) {
-      if (j < n) {
-        const int64_t slot = (int64_t)pages[page] * page_size + offset;
-        if (++offset == page_size) offset = 0, ++page;
-        const Cache* kr = kc + (slot * KVH + kvh) * D;
-        const Cache* vr = vc + (slot * KVH + kvh) * D;
-        for (int d = 0; d < DV; ++d) {
-          _mm512_store_ps(kf[j] + 16 * d, load16(kr + 16 * d));
-          _mm512_store_ps(vf[j] + 16 * d, load16(vr + 16 * d));
-        }
+      for (int i = 0; i < run; ++i)
+        for (int b = 0; b < D * (int)sizeof(Cache); b += 64)
+          _mm_prefetch((const char*)(vc + ((page_id * page_size + offset + i) * KVH + kvh) * D) + b, _MM_HINT_T0);
+    });
+    for_each_run(start, n, [&](int j, int run, int64_t page_id, int offset) {
+      const Cache* k = key_dims(page_id, offset);
+      if (run == 16) {
+        for (int d = 0; d < D; ++d) _mm512_store_ps(kt[d], load16(k + (int64_t)d * page_size));
       } else {
-        memset(kf[j], 0, sizeof(float) * D);
+        const __mmask16 lanes = (__mmask16)((1u << run) - 1);
+        for (int d = 0; d < D; ++d)
+          _mm512_mask_storeu_ps(kt[d] + j, lanes, load16_masked(k + (int64_t)d * page_size, lanes));
       }
-    }
+      for (int i = 0; i < run; ++i) {
+        const Cache* v = vc + ((page_id * page_size + offset + i) * KVH + kvh) * D;
+        for (int d = 0; d < DV; ++d) _mm512_store_ps(vf[j + i] + 16 * d, load16(v + 16 * d));
+      }
+    });
+    if (n < 16)  // keys past the end score zero (then masked), never garbage
+      for (int d = 0; d < D; ++d) _mm512_mask_storeu_ps(kt[d], (__mmask16)(0xffffu << n), _mm512_setzero_ps());
     // Three passes over the rows (scores, softmax update, weighted values) rather than one row
     // at a time: the rows are independent, so each pass's long-latency chains (the reductions,
     // exp) overlap across rows. A row's own operations and their order are unchanged.
     alignas(64) float pj[kMaxRows][16];
     float alpha[kMaxRows];
     int n_row[kMaxRows];
-    for (int r = 0; r < R; ++r) {
-      const int t = r / G;
-      n_row[r] = std::min(16, ctx[t] - start);  // keys of this block the row sees
-      if (n_row[r] <= 0) continue;
-      const float* qr = q + ((int64_t)t * H + r % G) * D;
-      __m512 dots[16];
-      for (int j = 0; j < 16; ++j) {
-        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_load_ps(kf[j]));
-        for (int d = 1; d < DV; ++d)
-          sum = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * d), _mm512_load_ps(kf[j] + 16 * d), sum);
-        dots[j] = sum;
+    for (int r = 0; r < R; ++r) n_row[r] = std::min(16, ctx[r / G] - start);  // keys it sees
+    // The 16 keys' scores in the lanes of one vector: q[d] times the keys' dimension d, summed
+    // over d in four interleaved chains (d mod 4) added at the end: a row's order is fixed.
+    // Rows go four at a time so that each load of a key dimension serves four rows (a short
+    // last group repeats its last row).
+    for (int r0 = 0; r0 < R; r0 += 4) {
+      const float* qr[4];
+      for (int i = 0; i < 4; ++i) {
+        const int r = std::min(r0 + i, R - 1);
+        qr[i] = q + ((int64_t)(r / G) * H + r % G) * D;
       }
-      _mm512_store_ps(pj[r], _mm512_mul_ps(reduce16x16(dots), _mm512_set1_ps(scale)));
+      __m512 part[4][4];
+      for (int i = 0; i < 4; ++i)
+        for (int u = 0; u < 4; ++u) part[i][u] = _mm512_setzero_ps();
+      for (int d = 0; d < 16 * DV; d += 4)
+        for (int u = 0; u < 4; ++u) {
+          const __m512 k = _mm512_load_ps(kt[d + u]);
+          for (int i = 0; i < 4; ++i)
+            part[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[i][d + u]), k, part[i][u]);
+        }
+      for (int i = 0; i < 4 && r0 + i < R; ++i) {
+        const __m512 dots = _mm512_add_ps(_mm512_add_ps(part[i][0], part[i][1]),
+                                          _mm512_add_ps(part[i][2], part[i][3]));
+        _mm512_store_ps(pj[r0 + i], _mm512_mul_ps(dots, _mm512_set1_ps(scale)));
+      }
     }
     for (int r = 0; r < R; ++r) {
       if (n_row[r] <= 0) continue;
@@ -198,7 +233,8 @@ template <typename QKV, typename Cache, typename Out>
 void run(const void* qkv, const float* cos, const float* sin, const int64_t* slots, float* q_buf,
          void* kc, void* vc, const int32_t* pages, const int64_t* page_off, const int32_t* ctx,
          void* out, int T, int H, int KVH, int D, int page_size, float scale) {
-  rope_and_store((const QKV*)qkv, cos, sin, slots, q_buf, (Cache*)kc, (Cache*)vc, T, H, KVH, D);
+  rope_and_store((const QKV*)qkv, cos, sin, slots, q_buf, (Cache*)kc, (Cache*)vc, T, H, KVH, D,
+                 page_size);
   attention(q_buf, (const Cache*)kc, (const Cache*)vc, pages, page_off, ctx, (Out*)out, T, H, KVH,
             D, page_size, scale);
 }
