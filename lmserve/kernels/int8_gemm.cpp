@@ -78,7 +78,7 @@ inline __m512i quantize16(__m512 x, __m512 inv, __m512 d, int8_t* q, int8_t* q2)
 template <typename T>
 void quantize(const T* a, int8_t* q, int8_t* q2, float* scale, float* sum, int M, int K) {
   const int G = K / 32;
-#pragma omp parallel for schedule(static) if ((int64_t)M * K > 32768)
+#pragma omp parallel for schedule(static) if ((int64_t)M * K > 2048)  // from a few decode rows on
   for (int64_t b = 0; b < (int64_t)M * G; ++b) {
     const __m512 x0 = load16(a + b * 32), x1 = load16(a + b * 32 + 16);
     const bool nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
