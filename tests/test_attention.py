@@ -1,6 +1,8 @@
 """Paged attention over a mixed flat batch equals dense causal attention per sequence, for every
 backend; the C++ kernel computes each row bit-identically whatever the batch around it."""
 
+import sys
+
 import pytest
 import torch
 
@@ -122,9 +124,11 @@ def test_kernel_matches_torch_path_with_rotary_and_bf16_cache(dtype, hd):
 
 @needs_kernel
 @pytest.mark.parametrize("hd", [16, 64])
-def test_kernel_rows_do_not_depend_on_batch_company(hd):
+@pytest.mark.parametrize("page", [4, 16])  # 16: decode rows read the cache directly
+def test_kernel_rows_do_not_depend_on_batch_company(hd, page, monkeypatch):
     """A token's output is bit-identical decoded alone, decoded with others, or inside a prefill
     chunk (its keys identical): the kernel's per-row arithmetic never depends on the batch."""
+    monkeypatch.setattr(sys.modules[__name__], "PAGE", page)
     torch.manual_seed(2)
     backend = create_backend("cpu_paged", AttentionShape(H, KVH, hd))
     pages = [list(range(0, 12)), list(range(12, 20)), list(range(20, 26))]

@@ -71,8 +71,8 @@ constexpr int kMaxRows = 16;  // query rows (tokens x heads of one KV head) shar
                               // so at most 16 query heads per KV head (checked in cpu_paged.py)
 
 // Attention of the rows of `tokens` consecutive tokens of one sequence (token i sees keys
-// [0, ctx[i])) and the G query heads sharing KV head `kvh`. Each key block of 16 is widened to
-// float32 once and used by every row; a row's arithmetic is the same as if it were alone.
+// [0, ctx[i])) and the G query heads sharing KV head `kvh`, key block by key block; a row's
+// arithmetic is the same as if it were alone.
 template <int kDV, typename Cache, typename Out>
 void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages,
                   const int32_t* ctx, int tokens, int kvh, int G, int H, int KVH, int D,
@@ -104,26 +104,9 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   auto key_dims = [&](int64_t page_id, int offset) {
     return kc + (page_id * KVH + kvh) * D * page_size + offset;
   };
-  // Blocks are aligned to absolute key positions, so the order of every floating-point
-  // operation of a row depends only on that row's context length.
-  for (int start = 0; start < n_keys; start += 16) {
-    const int n = std::min(16, n_keys - start);
-    for_each_run(start, n, [&](int j, int run, int64_t page_id, int offset) {
-      const Cache* k = key_dims(page_id, offset);
-      if (run == 16) {
-        for (int d = 0; d < D; ++d) _mm512_store_ps(kt[d], load16(k + (int64_t)d * page_size));
-      } else {
-        const __mmask16 lanes = (__mmask16)((1u << run) - 1);
-        for (int d = 0; d < D; ++d)
-          _mm512_mask_storeu_ps(kt[d] + j, lanes, load16_masked(k + (int64_t)d * page_size, lanes));
-      }
-      for (int i = 0; i < run; ++i) {
-        const Cache* v = vc + ((page_id * page_size + offset + i) * KVH + kvh) * D;
-        for (int d = 0; d < DV; ++d) _mm512_store_ps(vf[j + i] + 16 * d, load16(v + 16 * d));
-      }
-    });
-    if (n < 16)  // keys past the end score zero (then masked), never garbage
-      for (int d = 0; d < D; ++d) _mm512_mask_storeu_ps(kt[d], (__mmask16)(0xffffu << n), _mm512_setzero_ps());
+  // The block of keys from `start` for every row: key_dim(d) gives the 16 keys' dimension d,
+  // value(j, d) the j-th key's values d*16 .. d*16+15.
+  auto passes = [&](int start, auto key_dim, auto value) {
     // Three passes over the rows (scores, softmax update, weighted values) rather than one row
     // at a time: the rows are independent, so each pass's long-latency chains (the reductions,
     // exp) overlap across rows. A row's own operations and their order are unchanged.
@@ -146,7 +129,7 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
         for (int u = 0; u < 4; ++u) part[i][u] = _mm512_setzero_ps();
       for (int d = 0; d < 16 * DV; d += 4)
         for (int u = 0; u < 4; ++u) {
-          const __m512 k = _mm512_load_ps(kt[d + u]);
+          const __m512 k = key_dim(d + u);
           for (int i = 0; i < 4; ++i)
             part[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[i][d + u]), k, part[i][u]);
         }
@@ -177,9 +160,45 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
         a[d] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * d), _mm512_set1_ps(alpha[r]));
       for (int j = 0; j < n_row[r]; ++j) {
         const __m512 p = _mm512_set1_ps(pj[r][j]);
-        for (int d = 0; d < DV; ++d) a[d] = _mm512_fmadd_ps(p, _mm512_load_ps(vf[j] + 16 * d), a[d]);
+        for (int d = 0; d < DV; ++d) a[d] = _mm512_fmadd_ps(p, value(j, d), a[d]);
       }
       for (int d = 0; d < DV; ++d) _mm512_store_ps(acc[r] + 16 * d, a[d]);
+    }
+  };
+  // A few rows (one decoded token's heads) read the block straight from the cache, converting
+  // as they go, when it lies in one page; more rows share a float32 copy. Widening is exact,
+  // so both give the same bits; keys past the end are masked out of the softmax either way.
+  const bool direct = R <= 4 && page_size >= 16;
+  // Blocks are aligned to absolute key positions, so the order of every floating-point
+  // operation of a row depends only on that row's context length.
+  for (int start = 0; start < n_keys; start += 16) {
+    const int n = std::min(16, n_keys - start);
+    if (!direct) {
+      for_each_run(start, n, [&](int j, int run, int64_t page_id, int offset) {
+        const Cache* k = key_dims(page_id, offset);
+        if (run == 16) {
+          for (int d = 0; d < D; ++d) _mm512_store_ps(kt[d], load16(k + (int64_t)d * page_size));
+        } else {
+          const __mmask16 lanes = (__mmask16)((1u << run) - 1);
+          for (int d = 0; d < D; ++d)
+            _mm512_mask_storeu_ps(kt[d] + j, lanes, load16_masked(k + (int64_t)d * page_size, lanes));
+        }
+        for (int i = 0; i < run; ++i) {
+          const Cache* v = vc + ((page_id * page_size + offset + i) * KVH + kvh) * D;
+          for (int d = 0; d < DV; ++d) _mm512_store_ps(vf[j + i] + 16 * d, load16(v + 16 * d));
+        }
+      });
+      if (n < 16)  // keys past the end score zero (then masked), never garbage
+        for (int d = 0; d < D; ++d) _mm512_mask_storeu_ps(kt[d], (__mmask16)(0xffffu << n), _mm512_setzero_ps());
+      passes(start, [&](int d) { return _mm512_load_ps(kt[d]); },
+             [&](int j, int d) { return _mm512_load_ps(vf[j] + 16 * d); });
+    } else {
+      const int64_t page_id = pages[start / page_size];
+      const int offset = start % page_size;
+      const Cache* k = key_dims(page_id, offset);
+      const Cache* v = vc + ((page_id * page_size + offset) * KVH + kvh) * D;
+      passes(start, [&](int d) { return load16(k + (int64_t)d * page_size); },
+             [&](int j, int d) { return load16(v + (int64_t)j * KVH * D + 16 * d); });
     }
   }
   for (int r = 0; r < R; ++r) {
