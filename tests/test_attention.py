@@ -124,7 +124,7 @@ def test_kernel_matches_torch_path_with_rotary_and_bf16_cache(dtype, hd):
 
 @needs_kernel
 @pytest.mark.parametrize("hd", [16, 64])
-@pytest.mark.parametrize("page", [4, 16])  # 16: decode rows read the cache directly
+@pytest.mark.parametrize("page", [4, 16, 24])  # 16: decode rows read the cache directly
 def test_kernel_rows_do_not_depend_on_batch_company(hd, page, monkeypatch):
     """A token's output is bit-identical decoded alone, decoded with others, or inside a prefill
     chunk (its keys identical): the kernel's per-row arithmetic never depends on the batch."""

@@ -89,7 +89,7 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   const int DV = kDV ? kDV : D / 16;  // compile-time for common head sizes: registers, unrolled
   const int n_keys = ctx[tokens - 1];  // the last token sees the most keys
   // The keys [start, start + n) as runs within one page: fn(j, run, page id, offset in page).
-  // A block is one run when pages hold 16 keys or more (blocks are aligned to 16).
+  // A block is one run when pages hold a multiple of 16 keys (blocks are aligned to 16).
   auto for_each_run = [&](int start, int n, auto fn) {
     int page = start / page_size, offset = start % page_size;
     for (int j = 0; j < n;) {
@@ -166,9 +166,10 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
     }
   };
   // A few rows (one decoded token's heads) read the block straight from the cache, converting
-  // as they go, when it lies in one page; more rows share a float32 copy. Widening is exact,
-  // so both give the same bits; keys past the end are masked out of the softmax either way.
-  const bool direct = R <= 4 && page_size >= 16;
+  // as they go, when every block lies in one page (pages of a multiple of 16 keys); more rows
+  // share a float32 copy. Widening is exact, so both give the same bits; keys past the end are
+  // masked out of the softmax either way.
+  const bool direct = R <= 4 && page_size % 16 == 0;
   // Blocks are aligned to absolute key positions, so the order of every floating-point
   // operation of a row depends only on that row's context length.
   for (int start = 0; start < n_keys; start += 16) {

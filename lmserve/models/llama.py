@@ -48,7 +48,8 @@ class LayerCalls:
         buffers = {name: torch.empty(tokens, width, dtype=dtype) for name, (width, dtype) in self.buffers.items()}
         values = {name: b.data_ptr() for name, b in buffers.items()}
         values |= {"x": x.data_ptr(), "tokens": tokens, THREADS.name: torch.get_num_threads()}
-        self.calls.run(values | ctx.backend.call_values(ctx.attn_meta, ctx.cos, ctx.sin))
+        cos, sin = ctx.cos.contiguous(), ctx.sin.contiguous()  # alive until the calls return
+        self.calls.run(values | ctx.backend.call_values(ctx.attn_meta, cos, sin))
         return buffers["down"]
 
 
