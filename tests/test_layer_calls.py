@@ -67,24 +67,21 @@ def test_layer_calls_match_the_python_loop_bit_for_bit(tmp_path, source, opt):
         engine.shutdown()
 
 
+def assert_layers_run_one_by_one(path: str, opt: str) -> None:
+    engine = Engine(model=path, opt=opt, verbose=False)
+    try:
+        assert engine._core.runner.layer_calls is None
+        out = engine.completions.create(prompt="Hello", max_tokens=3, temperature=0, ignore_eos=True)
+        assert out.usage.completion_tokens == 3
+    finally:
+        engine.shutdown()
+
+
 @needs_kernels
 def test_layers_with_biases_run_one_by_one(tmp_path):
     """q/k/v biases (Qwen2) are added in Python, so those layers stay off the call list."""
-    path = make_hf_llama(str(tmp_path / "qwen2"), num_layers=2, arch="qwen2")
-    engine = Engine(model=path, opt="O2", verbose=False)
-    try:
-        assert engine._core.runner.layer_calls is None
-        out = engine.completions.create(prompt="Hello", max_tokens=3, temperature=0, ignore_eos=True)
-        assert out.usage.completion_tokens == 3
-    finally:
-        engine.shutdown()
+    assert_layers_run_one_by_one(make_hf_llama(str(tmp_path / "qwen2"), num_layers=2, arch="qwen2"), "O2")
 
 
 def test_no_layer_calls_on_the_torch_path(tiny_model_dir):
-    engine = Engine(model=tiny_model_dir, opt="O0", verbose=False)
-    try:
-        assert engine._core.runner.layer_calls is None
-        out = engine.completions.create(prompt="Hello", max_tokens=3, temperature=0, ignore_eos=True)
-        assert out.usage.completion_tokens == 3
-    finally:
-        engine.shutdown()
+    assert_layers_run_one_by_one(tiny_model_dir, "O0")

@@ -40,6 +40,13 @@ def why_unsupported(shape: AttentionShape, kv_dtype: torch.dtype) -> Optional[st
     return reason
 
 
+def _bf16_flags(io_dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+    """The kernel's dtype argument: bit 0 qkv, bit 1 the caches, bit 2 the output is bf16 (the
+    output has qkv's dtype)."""
+    io = int(io_dtype == torch.bfloat16)
+    return io | int(cache_dtype == torch.bfloat16) << 1 | io << 2
+
+
 # A step's attention inputs shared by every layer's call (see packed_call).
 _META_SLOTS = tuple(Slot(f"attention.{name}") for name in ("cos", "sin", "slots", "pages", "page_offset", "context"))
 _PAGE_SIZE = Slot("attention.page_size")
@@ -91,8 +98,7 @@ class CpuPagedBackend(AttentionBackend):
         """``forward`` as a call for a ``CallList``: ``qkv`` (tokens, ...) of ``dtype`` (float32 or
         bfloat16), ``out`` of the same dtype, ``q_buf`` float32 (tokens, H, hd) scratch; the
         step's metadata and rotary angles are the slots ``call_values`` fills."""
-        io_bf16 = int(dtype == torch.bfloat16)  # qkv and out (bits 0 and 2, as in forward)
-        bf16 = io_bf16 | int(k_cache.dtype == torch.bfloat16) << 1 | io_bf16 << 2
+        bf16 = _bf16_flags(dtype, k_cache.dtype)
         return [address(self.lib.lm_paged_attention_packed), qkv, *_META_SLOTS[:3], q_buf,
                 k_cache.data_ptr(), v_cache.data_ptr(), *_META_SLOTS[3:], out, tokens,
                 self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim, _PAGE_SIZE,
@@ -112,8 +118,7 @@ class CpuPagedBackend(AttentionBackend):
         cos, sin = cos.contiguous(), sin.contiguous()
         q_buf = torch.empty(T, H, hd, dtype=torch.float32)
         out = torch.empty(T, H * hd, dtype=qkv.dtype)
-        bf16 = ((qkv.dtype == torch.bfloat16) | (k_cache.dtype == torch.bfloat16) << 1
-                | (out.dtype == torch.bfloat16) << 2)
+        bf16 = _bf16_flags(qkv.dtype, k_cache.dtype)
         self.lib.lm_paged_attention(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slots.data_ptr(), q_buf.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), meta.pages.data_ptr(),

@@ -53,18 +53,23 @@ class FusedOps:
         if delta is not None and delta.dtype not in (torch.float32, torch.bfloat16):
             delta = delta.float()
         delta = None if delta is None else delta.contiguous()
-        self.lib.lm_add_rms_norm(
+        self.lib.lm_add_rms_norm(*self._norm_args(
             x.data_ptr(), None if delta is None else delta.data_ptr(),
-            int(delta is not None and delta.dtype == torch.bfloat16), weight.data_ptr(), eps,
-            out.data_ptr(), int(out_dtype == torch.bfloat16), T, D, torch.get_num_threads())
+            torch.float32 if delta is None else delta.dtype, weight, eps, out.data_ptr(), out_dtype, T,
+            torch.get_num_threads()))
         return out
 
     def packed_add_rms_norm(self, x: Arg, delta: Arg, delta_dtype: torch.dtype, weight: torch.Tensor,
                             eps: float, out: Arg, out_dtype: torch.dtype, rows: Arg) -> list[Arg]:
         """``add_rms_norm`` as a call for a ``CallList`` (``delta`` 0 for none)."""
-        return [address(self.lib.lm_add_rms_norm_packed), x, delta, int(delta_dtype == torch.bfloat16),
-                weight.data_ptr(), float_word(eps), out, int(out_dtype == torch.bfloat16), rows,
-                weight.shape[0], THREADS]
+        return [address(self.lib.lm_add_rms_norm_packed),
+                *self._norm_args(x, delta, delta_dtype, weight, float_word(eps), out, out_dtype, rows, THREADS)]
+
+    @staticmethod
+    def _norm_args(x, delta, delta_dtype, weight, eps, out, out_dtype, rows, threads) -> list:
+        """lm_add_rms_norm's arguments in order."""
+        return [x, delta, int(delta_dtype == torch.bfloat16), weight.data_ptr(), eps, out,
+                int(out_dtype == torch.bfloat16), rows, weight.shape[0], threads]
 
     def packed_silu_mul(self, gate_up: Arg, out: Arg, dtype: torch.dtype, rows: Arg, width: int) -> list[Arg]:
         """``silu_mul`` of ``gate_up`` (rows, 2 * width) into ``out`` as a call for a ``CallList``."""

@@ -105,27 +105,25 @@ class BlockLinear:
         x = x.contiguous()
         m = x.shape[0]  # (M, K)
         out = torch.empty(m, self.n, dtype=x.dtype)
-        f32 = x.dtype == torch.float32
-        args = (x.data_ptr(), int(f32), self.codes.data_ptr(), self.consts.data_ptr(),
-                out.data_ptr(), int(not f32), m, self.n, self.k, self.bits)
-        if self.digits:
-            half = self.consts.dtype == torch.float16
-            self.lib.lm_int8_gemm(*args, self.digits, int(half), torch.get_num_threads())
-        else:
-            self.lib.lm_block_gemm(*args, torch.get_num_threads())
+        kernel = self.lib.lm_int8_gemm if self.digits else self.lib.lm_block_gemm
+        kernel(*self._args(x.data_ptr(), x.dtype, out.data_ptr(), m, torch.get_num_threads()))
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def packed_call(self, x: Arg, dtype: torch.dtype, out: Arg, rows: Arg) -> list[Arg]:
         """This matmul as a call for a ``CallList``: ``x`` (rows, K) of ``dtype`` (float32 or
         bfloat16) into ``out`` (rows, N) of the same dtype, as ``__call__`` computes it (no bias:
         the caller checks)."""
+        kernel = self.lib.lm_int8_gemm_packed if self.digits else self.lib.lm_block_gemm_packed
+        return [address(kernel), *self._args(x, dtype, out, rows, THREADS)]
+
+    def _args(self, x: Arg, dtype: torch.dtype, out: Arg, rows: Arg, threads: Arg) -> list[Arg]:
+        """The kernel's arguments in order, for ``x`` of ``dtype`` into ``out`` of the same."""
         f32 = int(dtype == torch.float32)
         args = [x, f32, self.codes.data_ptr(), self.consts.data_ptr(), out, 1 - f32, rows, self.n,
                 self.k, self.bits]
         if self.digits:
-            half = int(self.consts.dtype == torch.float16)
-            return [address(self.lib.lm_int8_gemm_packed), *args, self.digits, half, THREADS]
-        return [address(self.lib.lm_block_gemm_packed), *args, THREADS]
+            args += [self.digits, int(self.consts.dtype == torch.float16)]
+        return args + [threads]
 
 
 Linear = Union[DenseLinear, BlockLinear]
