@@ -123,34 +123,38 @@ def test_kernel_matches_torch_path_with_rotary_and_bf16_cache(dtype, hd):
 
 
 @needs_kernel
-@pytest.mark.parametrize("hd", [16, 64])
-@pytest.mark.parametrize("page", [4, 16, 24])  # 16: a few rows read the cache directly
+@pytest.mark.parametrize("hd", [16, 48, 64, 80, 128, 256])  # value sums in 1 to 4 chunks of 64 dims
+@pytest.mark.parametrize("page", [4, 16, 24, 32])  # 16, 32: a few rows read the cache directly
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (8, 2)])  # 1 to 4 query heads a KV head
 def test_kernel_rows_do_not_depend_on_batch_company(hd, page, heads, monkeypatch):
     """A token's output is bit-identical decoded alone, decoded with others, or inside a prefill
     chunk long or short (its keys identical): the kernel's per-row arithmetic never depends on
     the batch, whichever of its paths (a float32 copy of each key block shared by many rows, or
-    up to 4 rows reading the cache) computes the row."""
+    up to 4 rows reading the cache, 4 blocks at a time) computes the row. The long sequence
+    (150 tokens) takes the second path over several chunks of blocks, on scattered pages."""
     for name, value in (("PAGE", page), ("H", heads[0]), ("KVH", heads[1])):
         monkeypatch.setattr(sys.modules[__name__], name, value)
     torch.manual_seed(2)
     backend = create_backend("cpu_paged", AttentionShape(H, KVH, hd))
-    pages = [list(range(0, 12)), list(range(12, 20)), list(range(20, 26))]
+    lengths = (150, 30, 23)
+    counts = [-(-n // page) for n in lengths]
+    order = torch.randperm(sum(counts)).tolist()
+    pages = [order[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(3)]
     # float32 rows and outputs (a bf16 output would round most one-bit differences away)
-    full = [torch.randn(L, (H + 2 * KVH) * hd) for L in (45, 30, 23)]
+    full = [torch.randn(L, (H + 2 * KVH) * hd) for L in lengths]
 
     def fresh():
-        return make_caches(backend, 32, torch.bfloat16)
+        return make_caches(backend, sum(counts), torch.bfloat16)
 
     # Whole prompt of seq 0 in one chunk.
-    whole = run_step(backend, fresh(), full, pages, [45, 0, 0], [0, 0, 0])
+    whole = run_step(backend, fresh(), full, pages, [150, 0, 0], [0, 0, 0])
     # Prefilled in chunks beside other sequences (the last a short one), then decoded with company.
     c = fresh()
-    run_step(backend, c, full, pages, [20, 30, 5], [0, 0, 0])
-    run_step(backend, c, full, pages, [21, 0, 15], [20, 30, 5])
-    short = run_step(backend, c, full, pages, [3, 0, 1], [41, 30, 20])[:3]
-    company = run_step(backend, c, full, pages, [1, 0, 1], [44, 30, 21])[0]
+    run_step(backend, c, full, pages, [60, 30, 5], [0, 0, 0])
+    run_step(backend, c, full, pages, [86, 0, 15], [60, 30, 5])
+    short = run_step(backend, c, full, pages, [3, 0, 1], [146, 30, 20])[:3]
+    company = run_step(backend, c, full, pages, [1, 0, 1], [149, 30, 21])[0]
     # Decoded alone.
-    alone = run_step(backend, c, full, pages, [1, 0, 0], [44, 30, 22])[0]
-    assert torch.equal(whole[41:44], short)
-    assert torch.equal(whole[44], company) and torch.equal(whole[44], alone)
+    alone = run_step(backend, c, full, pages, [1, 0, 0], [149, 30, 22])[0]
+    assert torch.equal(whole[146:149], short)
+    assert torch.equal(whole[149], company) and torch.equal(whole[149], alone)

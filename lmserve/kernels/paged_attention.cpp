@@ -133,8 +133,11 @@ void prefetch_blocks(const Cache* kc, const Cache* vc, const int32_t* pages, int
   for (int b = 0; b < blocks && start + 16 * b < n_keys; ++b) {
     const int64_t page_id = pages[(start + 16 * b) / page_size];
     const int offset = (start + 16 * b) % page_size;
-    const char* k = (const char*)(kc + (page_id * KVH + kvh) * D * page_size + offset);
-    for (int x = 0; x < 16 * D * (int)sizeof(Cache); x += 64) prefetch_l2(k + x);
+    // The block's keys are D runs of 16, page_size apart: one line holds one run, or several
+    // when pages hold 16 keys.
+    const Cache* k = kc + (page_id * KVH + kvh) * D * page_size + offset;
+    const int dims_a_line = std::max(1, 64 / (page_size * (int)sizeof(Cache)));
+    for (int d = 0; d < D; d += dims_a_line) prefetch_l2(k + (int64_t)d * page_size);
     const Cache* v = vc + ((page_id * page_size + offset) * KVH + kvh) * D;
     for (int j = 0; j < 16; ++j)
       for (int x = 0; x < D * (int)sizeof(Cache); x += 64)
