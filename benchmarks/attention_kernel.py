@@ -3,7 +3,8 @@
 For each batch of a server load (a prefill chunk of 256 tokens, one after a cached prefix, 16
 decode streams, one decode stream, a chunk beside 16 decodes) times one layer's attention call,
 rotary embedding and KV store included, cycling over 30 layers' bfloat16 caches (each backend's
-own layout) so the KV comes from memory as in the model. The peers on the same batch:
+own layout) so the KV comes from memory as in the model; the kernel also on an int8 KV cache
+(``kv_dtype=int8``). The peers on the same batch:
 
 - ``torch_native``: lmserve's torch backend (gathers each sequence's pages, then torch's
   ``scaled_dot_product_attention``), the path without the kernel;
@@ -62,6 +63,17 @@ def sdpa_inputs(qlens, ctxs):
     return calls
 
 
+def fill_int8(backend, caches, pages: int) -> None:
+    """Writes random keys and values into every slot of the int8 caches through the kernel (its
+    codes and scales), one prefill of all the slots a layer."""
+    slots = pages * PAGE
+    inp = AttentionInput([slots], [slots], [list(range(pages))])
+    meta = backend.prepare(inp, PAGE, torch.device("cpu"))
+    cos, sin = torch.ones(slots, HD), torch.zeros(slots, HD)
+    for k, v in caches:
+        backend.forward(meta, torch.randn(slots, (H + 2 * KVH) * HD), cos, sin, k, v)
+
+
 def backend_call(backend, inp, qkv, cos, sin, caches):
     """One layer's attention call of ``backend`` on the batch ``inp``, by layer index."""
     meta = backend.prepare(inp, PAGE, torch.device("cpu"))
@@ -85,16 +97,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     shape = AttentionShape(H, KVH, HD)
+    # (column, backend, KV dtype)
+    runs = [("lmserve kernel", "cpu_paged", torch.bfloat16), ("kernel, int8 KV", "cpu_paged", torch.int8),
+            ("torch_native", "torch_native", torch.bfloat16)]
     backends = {name: create_backend(name, shape) for name in ("cpu_paged", "torch_native")}
     pages = sum(-(-c // PAGE) for _, _, ctxs in BATCHES for c in ctxs)
-    caches = {}  # each backend's 30 layers in its own layout, random bf16 values
-    for name, backend in backends.items():
-        kv = KVCache(LAYERS, pages, PAGE, KVH, HD, torch.bfloat16, keys_transposed=backend.keys_transposed)
-        for t in kv.k + kv.v:
-            t.copy_(torch.randn(t.shape))
-        caches[name] = list(zip(kv.k, kv.v))
+    caches = {}  # each run's 30 layers in its backend's layout, random values (int8: written below)
+    for column, name, dtype in runs:
+        kv = KVCache(LAYERS, pages, PAGE, KVH, HD, dtype, keys_transposed=backends[name].keys_transposed)
+        if dtype != torch.int8:
+            for t in kv.k + kv.v:
+                t.copy_(torch.randn(t.shape))
+        caches[column] = list(zip(kv.k, kv.v))
+    fill_int8(backends["cpu_paged"], caches["kernel, int8 KV"], pages)
     print(f"{torch.get_num_threads()} threads; ms per layer call (useful GFLOP/s)")
-    print(f"{'batch':32} {'lmserve kernel':>18} {'torch_native':>18} {'torch sdpa':>18}  kernel speed-up")
+    print(f"{'batch':32}" + "".join(f"{c:>18}" for c, _, _ in runs) + f"{'torch sdpa':>18}  kernel speed-up")
     for label, qlens, ctxs in BATCHES:
         tables, first = [], 0
         for c in ctxs:
@@ -105,11 +122,11 @@ def main() -> None:
         qkv = torch.randn(T, (H + 2 * KVH) * HD)
         cos, sin = torch.ones(T, HD), torch.zeros(T, HD)
         flops = sum(4 * H * HD * (p + 1) for q, c in zip(qlens, ctxs) for p in range(c - q, c))
-        times = {name: per_call(backend_call(backend, inp, qkv, cos, sin, caches[name]), args.seconds)
-                 for name, backend in backends.items()}
+        times = {column: per_call(backend_call(backends[name], inp, qkv, cos, sin, caches[column]), args.seconds)
+                 for column, name, _ in runs}
         times["torch sdpa"] = per_call(sdpa_call(qlens, ctxs), args.seconds)
         cells = "".join(f"{1e3 * t:>9.3f} ({flops / t / 1e9:5.1f})" for t in times.values())
-        ratios = ", ".join(f"{times[p] / times['cpu_paged']:.2f}x {p}" for p in ("torch_native", "torch sdpa"))
+        ratios = ", ".join(f"{times[p] / times['lmserve kernel']:.2f}x {p}" for p in ("torch_native", "torch sdpa"))
         print(f"{label:32} {cells}  {ratios}")
 
 

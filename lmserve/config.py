@@ -24,6 +24,7 @@ from typing import (  # noqa: UP035  (List / Tuple: the seed's spelling of the f
 )
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+KvDtype = Literal["float32", "bfloat16", "float16", "int8"]
 
 
 WeightFormat = Literal["float32", "bfloat16", "float16", "int8", "int4", "native"]
@@ -39,7 +40,9 @@ class OptFlags:
     # kernel; "native" keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks as they are (other weights
     # bfloat16); "int4"/"int8" round every weight to 32-wide blocks of that many bits.
     weight_dtype: WeightFormat = "float32"
-    kv_dtype: Dtype = "float32"  # dtype of the paged KV cache
+    # dtype of the paged KV cache. int8 stores each key and value as codes with a float scale per
+    # token and head (about half of bfloat16's bytes); it needs attention=cpu_paged.
+    kv_dtype: KvDtype = "float32"
     # dtype of the activations entering the attention projections (q/k/v, o) and the head. With
     # block weights, float32 is multiplied as two bfloat16 halves: about 16 significant bits, at
     # twice the dot-product work. int8 quantizes them per block of 32 (as llama.cpp does) and
@@ -61,7 +64,8 @@ class OptFlags:
 # weights in bfloat16 (bf16 activations). O2 (the default) multiplies a GGUF file's own 4-/8-bit
 # blocks (no re-rounding) with activations quantized to two int8 digits per block (int16): more
 # precise than bf16 activations and faster, with integer dot products. O3 uses one int8 digit
-# (llama.cpp's choice): fastest, and greedy output diverges from O0 sooner.
+# (llama.cpp's choice) and an int8 KV cache (half the bytes for decode's attention to read):
+# fastest, and greedy output diverges from O0 sooner.
 # (weight_dtype=int4 rounds every weight to 4 bits: for files that are not 4-bit already.)
 # Every level computes each token the same way whatever its batch company, so greedy output does
 # not depend on batching.
@@ -70,7 +74,7 @@ OPT_LEVELS: dict[str, OptFlags] = {
     "O0": OptFlags(),
     "O1": OptFlags(weight_dtype=_BF16, kv_dtype=_BF16, act_dtype=_BF16, attention="cpu_paged"),
     "O2": OptFlags(weight_dtype="native", kv_dtype=_BF16, act_dtype="int16", attention="cpu_paged"),
-    "O3": OptFlags(weight_dtype="native", kv_dtype=_BF16, act_dtype="int8", attention="cpu_paged"),
+    "O3": OptFlags(weight_dtype="native", kv_dtype="int8", act_dtype="int8", attention="cpu_paged"),
 }
 DEFAULT_OPT_LEVEL = "O2"  # what ``opt=None`` means
 
@@ -81,7 +85,7 @@ _ACT_ALIASES = {**{k: v for k, v in _DTYPE_ALIASES.items() if v != "float16"}, "
 # knob name -> accepted spellings of its value (matched lower-cased) -> the value in OptFlags
 _KNOB_VALUES: dict[str, dict[str, Any]] = {
     "weight_dtype": {**_DTYPE_ALIASES, **{f: f for f in get_args(WeightFormat)}},
-    "kv_dtype": _DTYPE_ALIASES,
+    "kv_dtype": {**_DTYPE_ALIASES, "int8": "int8"},
     "act_dtype": _ACT_ALIASES,
     "mlp_act_dtype": _ACT_ALIASES,
     "attention": {a: a for a in get_args(AttentionKernel)},
@@ -124,7 +128,11 @@ def parse_opt(opt: Optional[str]) -> OptFlags:
             valid = ", ".join(choices)
             raise ValueError(f"opt: invalid value {value!r} for knob {name!r}; valid: {valid}")
         updates[name] = choices[value.lower()]
-    return dataclasses.replace(OPT_LEVELS[level], **updates)
+    flags = dataclasses.replace(OPT_LEVELS[level], **updates)
+    if flags.kv_dtype == "int8" and flags.attention != "cpu_paged":
+        raise ValueError(f"opt: kv_dtype=int8 needs attention=cpu_paged (the C++ kernel reads it), "
+                         f"but {opt!r} has attention={flags.attention}")
+    return flags
 
 
 @dataclass

@@ -109,8 +109,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     util = config.gpu_memory_utilization or DEFAULT_MEMORY_UTILIZATION
     budget = int(util * device)
     weights = weight_bytes(args, opt.weight_dtype, opt.act_dtype)
-    kv_per_token = (2 * args.num_layers * args.num_kv_heads * args.head_dim
-                    * _DTYPE_BYTES[opt.kv_dtype])
+    kv_per_token = 2 * args.num_layers * args.num_kv_heads * kv_bytes_per_head(args.head_dim, opt.kv_dtype)
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
     context = args.context_length
     gathers_kv = opt.attention == "torch_native"
@@ -140,6 +139,13 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
                       opt.weight_dtype, opt.kv_dtype, opt.act_dtype,
                       opt.mlp_act_dtype or opt.act_dtype, opt.attention, memory)
+
+
+def kv_bytes_per_head(head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one token's key (or value) for one KV head: int8 codes carry a float32 scale."""
+    if kv_dtype == "int8":
+        return head_dim + 4
+    return head_dim * _DTYPE_BYTES[kv_dtype]
 
 
 def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16") -> int:

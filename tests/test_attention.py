@@ -126,12 +126,14 @@ def test_kernel_matches_torch_path_with_rotary_and_bf16_cache(dtype, hd):
 @pytest.mark.parametrize("hd", [16, 48, 64, 80, 128, 256])  # value sums in 1 to 4 chunks of 64 dims
 @pytest.mark.parametrize("page", [4, 16, 24, 32])  # 16, 32: a few rows read the cache directly
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (8, 2)])  # 1 to 4 query heads a KV head
-def test_kernel_rows_do_not_depend_on_batch_company(hd, page, heads, monkeypatch):
+@pytest.mark.parametrize("cache", [torch.bfloat16, torch.int8])
+def test_kernel_rows_do_not_depend_on_batch_company(cache, hd, page, heads, monkeypatch):
     """A token's output is bit-identical decoded alone, decoded with others, or inside a prefill
     chunk long or short (its keys identical): the kernel's per-row arithmetic never depends on
     the batch, whichever of its paths (a float32 copy of each key block shared by many rows, or
-    up to 4 rows reading the cache, 4 blocks at a time) computes the row. The long sequence
-    (150 tokens) takes the second path over several chunks of blocks, on scattered pages."""
+    up to 4 rows reading the cache, 4 blocks at a time) computes the row, from a bf16 or an int8
+    cache. The long sequence (150 tokens) takes the second path over several chunks of blocks,
+    on scattered pages."""
     for name, value in (("PAGE", page), ("H", heads[0]), ("KVH", heads[1])):
         monkeypatch.setattr(sys.modules[__name__], name, value)
     torch.manual_seed(2)
@@ -144,7 +146,7 @@ def test_kernel_rows_do_not_depend_on_batch_company(hd, page, heads, monkeypatch
     full = [torch.randn(L, (H + 2 * KVH) * hd) for L in lengths]
 
     def fresh():
-        return make_caches(backend, sum(counts), torch.bfloat16)
+        return make_caches(backend, sum(counts), cache)
 
     # Whole prompt of seq 0 in one chunk.
     whole = run_step(backend, fresh(), full, pages, [150, 0, 0], [0, 0, 0])
@@ -158,3 +160,38 @@ def test_kernel_rows_do_not_depend_on_batch_company(hd, page, heads, monkeypatch
     alone = run_step(backend, c, full, pages, [1, 0, 0], [149, 30, 22])[0]
     assert torch.equal(whole[146:149], short)
     assert torch.equal(whole[149], company) and torch.equal(whole[149], alone)
+
+
+@needs_kernel
+@pytest.mark.parametrize("page", [4, 16])  # 16: the decoded rows read the cache directly
+@pytest.mark.parametrize("hd", [16, 64, 128])
+def test_int8_cache_stays_close_to_float32(hd, page, monkeypatch):
+    """An int8 cache (codes with a scale per token and head) against a float32 one on the same
+    steps, prefill then decode: outputs of size about 3 agree within 5e-2 (each key and value
+    off by at most half a step of max|x| / 127), and the stored codes decode to the keys and
+    values within that half step."""
+    monkeypatch.setattr(sys.modules[__name__], "PAGE", page)
+    torch.manual_seed(3)
+    rotary = RotaryEmbedding(hd, 64, 10000.0)
+    pages = [[3, 7, 1, 12, 4], [8, 2, 9]]
+    full = [torch.randn(L, (H + 2 * KVH) * hd) for L in (19, 10)]
+    backend = create_backend("cpu_paged", AttentionShape(H, KVH, hd))
+    outs, caches = [], []
+    for dtype in (torch.float32, torch.int8):
+        c = make_caches(backend, 16, dtype)
+        a = run_step(backend, c, full, pages, [12, 10], [0, 0], rotary)
+        b = run_step(backend, c, full, pages, [7, 0], [12, 10], rotary)
+        outs.append(torch.cat([a, b]))
+        caches.append(c)
+    torch.testing.assert_close(outs[1], outs[0], atol=5e-2, rtol=0)
+    (k32, v32), (k8, v8) = caches
+    slots = [p * page + o for p in pages[0] for o in range(page)][:19]
+    for slot in slots:  # a key: codes then, 4 rows on, the page's float scales
+        pg, off = divmod(slot, page)
+        codes = k8[pg, :, :hd, off].float()
+        scale = k8[pg, :, hd:, :].reshape(KVH, 4 * page).view(torch.float32)[:, off]  # (KVH,)
+        key = codes * scale[:, None]
+        assert (key - k32[pg, :, :, off]).abs().max() <= k32[pg, :, :, off].abs().max() / 254 + 1e-6
+        v_scale = v8[slot, :, hd:].contiguous().view(torch.float32)  # (KVH, 1)
+        value = v8[slot, :, :hd].float() * v_scale
+        assert (value - v32[slot]).abs().max() <= v32[slot].abs().max() / 254 + 1e-6

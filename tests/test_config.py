@@ -203,7 +203,7 @@ def _flags(weights, kv, attention="cpu_paged", compile=False, act=None, mlp=None
         ("O0", _flags("float32", "float32", "torch_native")),
         ("O1", _flags("bfloat16", "bfloat16")),
         ("O2", _flags("native", "bfloat16")),
-        ("O3", _flags("native", "bfloat16", act="int8")),
+        ("O3", _flags("native", "int8", act="int8")),
     ],
 )
 def test_levels(level, expected):
@@ -225,7 +225,8 @@ def test_levels(level, expected):
         ("weight_dtype=int4;kv_dtype=bf16;compile=1", _flags("int4", "bfloat16", compile=True, act="int16")),
         ("O0;attention=cpu_paged;weight_dtype=int8", _flags("int8", "float32", act="float32")),
         ("O2;act_dtype=bf16", _flags("native", "bfloat16", act="bfloat16")),
-        ("O3;mlp_act_dtype=int16", _flags("native", "bfloat16", act="int8", mlp="int16")),
+        ("O3;mlp_act_dtype=int16", _flags("native", "int8", act="int8", mlp="int16")),
+        ("O3;kv_dtype=bf16", _flags("native", "bfloat16", act="int8")),
     ],
 )
 def test_knobs_adjust_the_level(opt, expected):
@@ -244,6 +245,7 @@ def test_knobs_adjust_the_level(opt, expected):
         ("attention=flash", ["'flash'", "torch_native, cpu_paged"]),
         ("compile=1;O2", ["'O2'", "name=value"]),
         ("compile=1;compile=0", ["'compile'", "more than once"]),
+        ("O0;kv_dtype=int8", ["kv_dtype=int8", "attention=cpu_paged", "attention=torch_native"]),
     ],
 )
 def test_bad_opt_is_refused_with_the_valid_choices(opt, pieces):

@@ -32,19 +32,19 @@ def why_unsupported(shape: AttentionShape, kv_dtype: torch.dtype) -> Optional[st
         return f"head_dim {shape.head_dim} is not a multiple of 16 up to 256"
     if shape.num_heads // shape.num_kv_heads > 16:
         return "more than 16 query heads per KV head"
-    if kv_dtype not in (torch.float32, torch.bfloat16):
-        return f"KV cache dtype {kv_dtype} (the kernel reads float32 or bfloat16)"
+    if kv_dtype not in (torch.float32, torch.bfloat16, torch.int8):
+        return f"KV cache dtype {kv_dtype} (the kernel reads float32, bfloat16 or int8)"
     reason = why_unavailable()
     if reason is None and _library() is None:
         reason = "the kernel failed to build (see the log)"
     return reason
 
 
-def _bf16_flags(io_dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+def _dtype_flags(io_dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
     """The kernel's dtype argument: bit 0 qkv, bit 1 the caches, bit 2 the output is bf16 (the
-    output has qkv's dtype)."""
+    output has qkv's dtype); bit 4 the caches are int8."""
     io = int(io_dtype == torch.bfloat16)
-    return io | int(cache_dtype == torch.bfloat16) << 1 | io << 2
+    return io | int(cache_dtype == torch.bfloat16) << 1 | io << 2 | int(cache_dtype == torch.int8) << 4
 
 
 # A step's attention inputs shared by every layer's call (see packed_call).
@@ -98,11 +98,11 @@ class CpuPagedBackend(AttentionBackend):
         """``forward`` as a call for a ``CallList``: ``qkv`` (tokens, ...) of ``dtype`` (float32 or
         bfloat16), ``out`` of the same dtype, ``q_buf`` float32 (tokens, H, hd) scratch; the
         step's metadata and rotary angles are the slots ``call_values`` fills."""
-        bf16 = _bf16_flags(dtype, k_cache.dtype)
+        flags = _dtype_flags(dtype, k_cache.dtype)
         return [address(self.lib.lm_paged_attention_packed), qkv, *_META_SLOTS[:3], q_buf,
                 k_cache.data_ptr(), v_cache.data_ptr(), *_META_SLOTS[3:], out, tokens,
                 self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim, _PAGE_SIZE,
-                float_word(self.shape.scale), bf16, THREADS]
+                float_word(self.shape.scale), flags, THREADS]
 
     @staticmethod
     def call_values(meta: PagedMeta, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, int]:
@@ -118,10 +118,10 @@ class CpuPagedBackend(AttentionBackend):
         cos, sin = cos.contiguous(), sin.contiguous()
         q_buf = torch.empty(T, H, hd, dtype=torch.float32)
         out = torch.empty(T, H * hd, dtype=qkv.dtype)
-        bf16 = _bf16_flags(qkv.dtype, k_cache.dtype)
+        flags = _dtype_flags(qkv.dtype, k_cache.dtype)
         self.lib.lm_paged_attention(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slots.data_ptr(), q_buf.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), meta.pages.data_ptr(),
             meta.page_offset.data_ptr(), meta.context.data_ptr(), out.data_ptr(),
-            T, H, KVH, hd, meta.page_size, self.shape.scale, bf16, torch.get_num_threads())
+            T, H, KVH, hd, meta.page_size, self.shape.scale, flags, torch.get_num_threads())
         return out.to(dtype)

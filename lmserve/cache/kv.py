@@ -24,6 +24,11 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
 
 
+# dtype of the KV cache by its opt name (int8: codes with a scale per token and head)
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "int8": torch.int8}
+
+
 class KVCache:
     """Per-layer key/value buffers addressed by slot (``page * page_size + offset``).
 
@@ -32,6 +37,12 @@ class KVCache:
     its pages; ``k[layer]`` is the same, or with ``keys_transposed`` (the C++ attention kernel's
     layout) ``(num_pages, num_kv_heads, head_dim, page_size)``: each page's keys per head as
     ``head_dim`` rows of ``page_size``, so one dimension of consecutive keys is contiguous.
+
+    An int8 cache (the C++ kernel's only, keys transposed) holds codes and their float32 scales
+    (value = code * scale, one scale per token and head) in the same buffers, 4 bytes more per
+    head: ``k`` is ``(num_pages, num_kv_heads, head_dim + 4, page_size)``, the last 4 rows the
+    page's ``page_size`` scales; ``v`` is ``(slots, num_kv_heads, head_dim + 4)``, each slot's
+    codes then its scale.
     """
 
     def __init__(
@@ -46,6 +57,10 @@ class KVCache:
         keys_transposed: bool = False,
     ) -> None:
         self.page_size = page_size
+        if dtype == torch.int8:
+            if not keys_transposed:
+                raise ValueError("an int8 KV cache needs the C++ kernel's layout (keys transposed)")
+            head_dim += 4  # the scale's 4 bytes
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         k_shape = (num_pages, num_kv_heads, head_dim, page_size) if keys_transposed else shape
         self.k = [zeros_on_demand(k_shape, dtype, device) for _ in range(num_layers)]

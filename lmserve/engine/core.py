@@ -12,8 +12,9 @@ import torch
 
 from lmserve.attention import resolve_attention
 from lmserve.attention.base import AttentionShape, create_backend
+from lmserve.attention import cpu_paged
 from lmserve.attention.cpu_paged import CpuPagedBackend
-from lmserve.cache.kv import KVCache
+from lmserve.cache.kv import KV_DTYPES, KVCache
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
 from lmserve.config import EngineConfig, parse_opt
@@ -67,9 +68,14 @@ class EngineCore:
 
         a, plan = self.args, self.plan
         shape = AttentionShape(a.num_heads, a.num_kv_heads, a.head_dim)
-        backend = create_backend(resolve_attention(opt.attention, shape, FLOAT_DTYPES[opt.kv_dtype]), shape)
+        kv_dtype = KV_DTYPES[opt.kv_dtype]
+        attention = resolve_attention(opt.attention, shape, kv_dtype)
+        if kv_dtype == torch.int8 and attention != "cpu_paged":  # only the kernel reads int8 KV
+            raise RuntimeError(f"opt kv_dtype=int8 needs the C++ attention kernel, which is "
+                               f"unavailable here ({cpu_paged.why_unsupported(shape, kv_dtype)})")
+        backend = create_backend(attention, shape)
         kv = KVCache(a.num_layers, plan.num_pages, plan.page_size, a.num_kv_heads, a.head_dim,
-                     FLOAT_DTYPES[opt.kv_dtype], self.device, backend.keys_transposed)
+                     kv_dtype, self.device, backend.keys_transposed)
         self.pool = PagePool(plan.num_pages)
         self.prefix_cache = self._make_prefix_cache(config, plan)
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_sequence,

@@ -15,6 +15,8 @@
 //   k cache    (num_pages, KVH, D, page_size)  bf16 or fp32: each page's keys transposed per KV
 //                                    head, so 16 keys' values of one dimension are contiguous
 //   v cache    (num_slots, KVH, D)    bf16 or fp32; slot = page * page_size + offset
+//   int8 caches (num_pages, KVH, D + 4, page_size) and (num_slots, KVH, D + 4): each key's and
+//              value's codes, then its float scale (value = code * scale, per token and head)
 //   page_off   (T,)                   int64 index into `pages` where the token's page list starts
 //   ctx        (T,)                   int32 keys the token sees (its position + 1)
 //   out        (T, H, D)              bf16 or fp32
@@ -32,6 +34,29 @@ namespace {
 using namespace lm;
 
 constexpr int kMaxD = 256;      // head_dim limit (multiple of 16)
+
+// Rows of cache elements after a head's D that hold its scales: an int8 cache keeps a float scale
+// per key (and value) and head, 4 bytes, after the codes; other caches hold the values themselves.
+template <typename Cache>
+constexpr int kScaleRows = 0;
+template <>
+constexpr int kScaleRows<int8_t> = 4;
+
+// A head's D values to int8 codes (code = round(x / scale), scale = max|x| / 127), code i at
+// dst[i * stride]; returns the scale (NaN if x holds a NaN or an infinity, so the outputs that
+// use it are NaN rather than finite nonsense; 0 for all-zero x).
+inline float quantize_head(const float* x, int8_t* dst, int D, int64_t stride) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int i = 0; i < D; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  const float inv = amax > 0.f && finite ? 127.f / amax : 0.f;
+  for (int i = 0; i < D; ++i)
+    dst[i * stride] = (int8_t)std::max(-127.f, std::min(127.f, std::nearbyint(x[i] * inv)));
+  return finite ? amax / 127.f : NAN;
+}
 
 // Rotate one head (rotate-half layout) and write it to dst, element i at dst[i * stride].
 template <typename Src, typename Dst>
@@ -57,12 +82,22 @@ void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const in
     const float* s = sin + (int64_t)t * D;
     for (int h = 0; h < H; ++h) rotate_head(src + h * D, c, s, q_out + ((int64_t)t * H + h) * D, D);
     const int64_t page = slots[t] / page_size, offset = slots[t] % page_size;
-    Cache* kdst = kc + page * KVH * D * page_size + offset;  // dimension d of head h at
-    Cache* vdst = vc + slots[t] * KVH * D;                    // kdst[(h * D + d) * page_size]
+    const int DK = D + kScaleRows<Cache>;
     for (int h = 0; h < KVH; ++h) {
-      rotate_head(src + (H + h) * D, c, s, kdst + (int64_t)h * D * page_size, D, page_size);
+      Cache* kh = kc + (page * KVH + h) * DK * page_size;  // key dimension d at kh[d * page_size + offset]
+      Cache* vh = vc + (slots[t] * KVH + h) * DK;
       const QKV* v = src + (H + KVH + h) * D;
-      for (int i = 0; i < D; ++i) store_elem(vdst + h * D + i, to_f32(v[i]));
+      if constexpr (kScaleRows<Cache> > 0) {
+        alignas(64) float x[kMaxD];
+        rotate_head(src + (H + h) * D, c, s, x, D);
+        ((float*)(kh + D * page_size))[offset] = quantize_head(x, kh + offset, D, page_size);
+        for (int i = 0; i < D; ++i) x[i] = to_f32(v[i]);
+        const float v_scale = quantize_head(x, vh, D, 1);
+        memcpy(vh + D, &v_scale, sizeof(float));
+      } else {
+        rotate_head(src + (H + h) * D, c, s, kh + offset, D, page_size);
+        for (int i = 0; i < D; ++i) store_elem(vh + i, to_f32(v[i]));
+      }
     }
   }
 }
@@ -80,8 +115,8 @@ constexpr int kMaxRows = 16;  // query rows (tokens x heads of one KV head) shar
 // summed over d in four interleaved chains (d mod 4) added at the end. Each key load serves
 // every row (qr may repeat a row to fill kRows).
 template <int kRows = 4, typename KeyDim>
-inline void block_scores(const float* const* qr, int DV, float scale, KeyDim key_dim,
-                         float (*out)[16], int rows) {
+inline void block_scores(const float* const* qr, int DV, float scale, const float* key_scales,
+                         KeyDim key_dim, float (*out)[16], int rows) {
   __m512 part[kRows][4];
   for (int i = 0; i < kRows; ++i)
     for (int u = 0; u < 4; ++u) part[i][u] = _mm512_setzero_ps();
@@ -90,10 +125,13 @@ inline void block_scores(const float* const* qr, int DV, float scale, KeyDim key
       const __m512 k = key_dim(d + u);
       for (int i = 0; i < kRows; ++i) part[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[i][d + u]), k, part[i][u]);
     }
+  // An int8 cache's keys are codes: their scales (16, null otherwise) join the softmax scale.
+  const __m512 f = key_scales ? _mm512_mul_ps(_mm512_loadu_ps(key_scales), _mm512_set1_ps(scale))
+                              : _mm512_set1_ps(scale);
   for (int i = 0; i < rows; ++i) {
     const __m512 dots = _mm512_add_ps(_mm512_add_ps(part[i][0], part[i][1]),
                                       _mm512_add_ps(part[i][2], part[i][3]));
-    _mm512_store_ps(out[i], _mm512_mul_ps(dots, _mm512_set1_ps(scale)));
+    _mm512_store_ps(out[i], _mm512_mul_ps(dots, f));
   }
 }
 
@@ -110,6 +148,12 @@ inline float softmax_update(float* s, int n, float& m, float& l) {
   m = m_new;
   _mm512_store_ps(s, p);
   return alpha;
+}
+
+// With an int8 cache a row's weights are multiplied by their keys' value scales (16, zero past
+// the block's end) before they weight the value codes; l keeps the plain weights.
+inline void scale_weights(float* p, const float* value_scales) {
+  _mm512_store_ps(p, _mm512_mul_ps(_mm512_load_ps(p), _mm512_load_ps(value_scales)));
 }
 
 // A row's output: its weighted values over the softmax sum.
@@ -135,13 +179,14 @@ void prefetch_blocks(const Cache* kc, const Cache* vc, const int32_t* pages, int
     const int offset = (start + 16 * b) % page_size;
     // The block's keys are D runs of 16, page_size apart: one line holds one run, or several
     // when pages hold 16 keys.
-    const Cache* k = kc + (page_id * KVH + kvh) * D * page_size + offset;
+    const int DK = D + kScaleRows<Cache>;  // (the int8 key scales are 4 more rows)
+    const Cache* k = kc + (page_id * KVH + kvh) * DK * page_size + offset;
     const int dims_a_line = std::max(1, 64 / (page_size * (int)sizeof(Cache)));
-    for (int d = 0; d < D; d += dims_a_line) prefetch_l2(k + (int64_t)d * page_size);
-    const Cache* v = vc + ((page_id * page_size + offset) * KVH + kvh) * D;
+    for (int d = 0; d < DK; d += dims_a_line) prefetch_l2(k + (int64_t)d * page_size);
+    const Cache* v = vc + ((page_id * page_size + offset) * KVH + kvh) * DK;
     for (int j = 0; j < 16; ++j)
-      for (int x = 0; x < D * (int)sizeof(Cache); x += 64)
-        prefetch_l2((const char*)(v + (int64_t)j * KVH * D) + x);
+      for (int x = 0; x < DK * (int)sizeof(Cache); x += 64)
+        prefetch_l2((const char*)(v + (int64_t)j * KVH * DK) + x);
   }
 }
 
@@ -159,6 +204,9 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   float m[kMaxRows], l[kMaxRows];
   alignas(64) float acc[kMaxRows][kMaxD];
   alignas(64) float kt[kMaxD][16], vf[16][kMaxD];  // a block's keys transposed, its values
+  alignas(64) float k_scales[16], v_scales[16];      // with an int8 cache
+  constexpr bool kScaled = kScaleRows<Cache> > 0;
+  const int DK = D + kScaleRows<Cache>;
   for (int r = 0; r < R; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.f;
@@ -175,20 +223,25 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
     for (int j = 0; j < n;) {
       const int run = std::min(n - j, page_size - offset);
       const int64_t page_id = pages[page];
-      const Cache* k = kc + (page_id * KVH + kvh) * D * page_size + offset;
+      const Cache* k = kc + (page_id * KVH + kvh) * DK * page_size + offset;
       const __mmask16 lanes = (__mmask16)((1u << run) - 1);
       for (int d = 0; d < D; ++d)
         _mm512_mask_storeu_ps(kt[d] + j, lanes, load16_masked(k + (int64_t)d * page_size, lanes));
+      if constexpr (kScaled)
+        _mm512_mask_storeu_ps(k_scales + j, lanes, _mm512_maskz_loadu_ps(lanes, (const float*)(k - offset + D * page_size) + offset));
       for (int i = 0; i < run; ++i) {
-        const Cache* v = vc + ((page_id * page_size + offset + i) * KVH + kvh) * D;
+        const Cache* v = vc + ((page_id * page_size + offset + i) * KVH + kvh) * DK;
         for (int d = 0; d < DV; ++d) _mm512_store_ps(vf[j + i] + 16 * d, load16(v + 16 * d));
+        if constexpr (kScaled) memcpy(v_scales + j + i, v + D, sizeof(float));
       }
       j += run;
       offset += run;
       if (offset == page_size) offset = 0, ++page;
     }
-    if (n < 16)  // keys past the end score zero (then masked), never garbage
+    if (n < 16) {  // keys past the end score zero (then masked), never garbage
       for (int d = 0; d < D; ++d) _mm512_mask_storeu_ps(kt[d], (__mmask16)(0xffffu << n), _mm512_setzero_ps());
+      for (int j = n; j < 16; ++j) k_scales[j] = v_scales[j] = 0.f;
+    }
     // Three passes over the rows (scores, softmax update, weighted values) rather than one row
     // at a time: the rows are independent, so each pass's long-latency chains (the reductions,
     // exp) overlap across rows.
@@ -199,11 +252,14 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
     for (int r0 = 0; r0 < R; r0 += 4) {
       const float* qr[4];
       for (int i = 0; i < 4; ++i) qr[i] = q + row_at(std::min(r0 + i, R - 1), G, H, D);
-      block_scores(qr, DV, scale, [&](int d) { return _mm512_load_ps(kt[d]); }, pj + r0,
+      block_scores(qr, DV, scale, kScaled ? k_scales : nullptr, [&](int d) { return _mm512_load_ps(kt[d]); }, pj + r0,
                    std::min(4, R - r0));
     }
     for (int r = 0; r < R; ++r)
-      if (n_row[r] > 0) alpha[r] = softmax_update(pj[r], n_row[r], m[r], l[r]);
+      if (n_row[r] > 0) {
+        alpha[r] = softmax_update(pj[r], n_row[r], m[r], l[r]);
+        if constexpr (kScaled) scale_weights(pj[r], v_scales);
+      }
     // Keys outer, head-dim chunks inner: the DV accumulators are independent FMA chains that
     // overlap (one chain per chunk would wait on the FMA latency at every key).
     for (int r = 0; r < R; ++r) {
@@ -250,7 +306,9 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
     memset(acc[r], 0, sizeof(float) * D);
   }
   const int n_keys = ctx[tokens - 1];
-  const int64_t v_stride = (int64_t)KVH * D;  // between consecutive slots' values
+  constexpr bool kScaled = kScaleRows<Cache> > 0;
+  const int DK = D + kScaleRows<Cache>;
+  const int64_t v_stride = (int64_t)KVH * DK;  // between consecutive slots' values
   prefetch_blocks(kc, vc, pages, 0, kChunk, n_keys, kvh, KVH, D, page_size);
   for (int c0 = 0; c0 < n_keys; c0 += 16 * kChunk) {
     prefetch_blocks(kc, vc, pages, c0 + 16 * kChunk, kChunk, n_keys, kvh, KVH, D, page_size);
@@ -260,25 +318,35 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
     int n_row[kChunk][4];
     const Cache* kb[kChunk];
     const Cache* vb[kChunk];
+    const float* k_scales[kChunk] = {};
+    alignas(64) float v_scales[kChunk][16];
     for (int b = 0; b < nb; ++b) {
       const int start = c0 + 16 * b;
       const int64_t page_id = pages[start / page_size];
       const int offset = start % page_size;
-      kb[b] = kc + (page_id * KVH + kvh) * D * page_size + offset;
-      vb[b] = vc + ((page_id * page_size + offset) * KVH + kvh) * D;
+      kb[b] = kc + (page_id * KVH + kvh) * DK * page_size + offset;
+      vb[b] = vc + ((page_id * page_size + offset) * KVH + kvh) * DK;
       for (int r = 0; r < R; ++r) n_row[b][r] = std::min(16, row_ctx[r] - start);
+      if constexpr (kScaled) {
+        k_scales[b] = (const float*)(kb[b] - offset + D * page_size) + offset;
+        for (int j = 0; j < 16; ++j) v_scales[b][j] = 0.f;
+        for (int j = 0; j < std::min(16, n_keys - start); ++j) memcpy(v_scales[b] + j, vb[b] + j * v_stride + D, sizeof(float));
+      }
       // The last block's keys past the end (stale or zero) are masked out of the softmax.
       auto key_dim = [&](int d) { return load16(kb[b] + (int64_t)d * page_size); };
       switch (R) {  // no repeated row (the 4th of a 3-head group costs a quarter of the FMAs)
-        case 1: block_scores<1>(qr, DV, scale, key_dim, pj[b], R); break;
-        case 2: block_scores<2>(qr, DV, scale, key_dim, pj[b], R); break;
-        case 3: block_scores<3>(qr, DV, scale, key_dim, pj[b], R); break;
-        default: block_scores<4>(qr, DV, scale, key_dim, pj[b], R);
+        case 1: block_scores<1>(qr, DV, scale, k_scales[b], key_dim, pj[b], R); break;
+        case 2: block_scores<2>(qr, DV, scale, k_scales[b], key_dim, pj[b], R); break;
+        case 3: block_scores<3>(qr, DV, scale, k_scales[b], key_dim, pj[b], R); break;
+        default: block_scores<4>(qr, DV, scale, k_scales[b], key_dim, pj[b], R);
       }
     }
     for (int b = 0; b < nb; ++b)
       for (int r = 0; r < R; ++r)
-        if (n_row[b][r] > 0) alpha[b][r] = softmax_update(pj[b][r], n_row[b][r], m[r], l[r]);
+        if (n_row[b][r] > 0) {
+          alpha[b][r] = softmax_update(pj[b][r], n_row[b][r], m[r], l[r]);
+          if constexpr (kScaled) scale_weights(pj[b][r], v_scales[b]);
+        }
     for (int d0 = 0; d0 < DV; d0 += 4) {  // 64 dimensions at a time: 16 accumulators
       const int dn = std::min(4, DV - d0);
       for (int b = 0; b < nb; ++b) {
@@ -364,18 +432,19 @@ void run(const void* qkv, const float* cos, const float* sin, const int64_t* slo
 
 extern "C" {
 
-// bf16: bit 0 = qkv is bf16, bit 1 = caches are bf16, bit 2 = out is bf16 (else fp32).
+// flags: bit 0 = qkv is bf16, bit 1 = caches are bf16, bit 2 = out is bf16 (else fp32), bit 4 =
+// caches are int8 (with scales; bit 1 clear).
 void lm_paged_attention(const void* qkv, const float* cos, const float* sin, const int64_t* slots,
                         float* q_buf, void* kc, void* vc, const int32_t* pages,
                         const int64_t* page_off, const int32_t* ctx, void* out, int T, int H,
-                        int KVH, int D, int page_size, float scale, int bf16, int threads) {
+                        int KVH, int D, int page_size, float scale, int flags, int threads) {
   omp_set_num_threads(threads);
 #define LM_CASE(bits, A, B, C)                                                                   \
   case bits:                                                                                     \
     run<A, B, C>(qkv, cos, sin, slots, q_buf, kc, vc, pages, page_off, ctx, out, T, H, KVH, D, \
                  page_size, scale);                                                              \
     break;
-  switch (bf16) {
+  switch (flags) {
     LM_CASE(0, float, float, float)
     LM_CASE(1, uint16_t, float, float)
     LM_CASE(2, float, uint16_t, float)
@@ -384,6 +453,10 @@ void lm_paged_attention(const void* qkv, const float* cos, const float* sin, con
     LM_CASE(5, uint16_t, float, uint16_t)
     LM_CASE(6, float, uint16_t, uint16_t)
     LM_CASE(7, uint16_t, uint16_t, uint16_t)
+    LM_CASE(16, float, int8_t, float)
+    LM_CASE(17, uint16_t, int8_t, float)
+    LM_CASE(20, float, int8_t, uint16_t)
+    LM_CASE(21, uint16_t, int8_t, uint16_t)
   }
 #undef LM_CASE
 }
