@@ -46,16 +46,23 @@ constexpr int kScaleRows<int8_t> = 4;
 // dst[i * stride]; returns the scale (NaN if x holds a NaN or an infinity, so the outputs that
 // use it are NaN rather than finite nonsense; 0 for all-zero x).
 inline float quantize_head(const float* x, int8_t* dst, int D, int64_t stride) {
-  float amax = 0.f;
-  bool finite = true;
-  for (int i = 0; i < D; ++i) {
-    finite = finite && std::isfinite(x[i]);
-    amax = std::max(amax, std::fabs(x[i]));
+  __m512 amax = _mm512_setzero_ps();
+  __mmask16 bad = 0;  // lanes that met a NaN or an infinity
+  for (int i = 0; i < D; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);  // inf - inf, NaN
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
   }
-  const float inv = amax > 0.f && finite ? 127.f / amax : 0.f;
-  for (int i = 0; i < D; ++i)
-    dst[i * stride] = (int8_t)std::max(-127.f, std::min(127.f, std::nearbyint(x[i] * inv)));
-  return finite ? amax / 127.f : NAN;
+  const float m = _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(m > 0.f && !bad ? 127.f / m : 0.f);
+  for (int i = 0; i < D; i += 16) {  // |x * inv| <= 127: round to nearest even, then narrow
+    alignas(16) int8_t codes[16];
+    const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_store_si128((__m128i*)codes, _mm512_cvtsepi32_epi8(q));
+    for (int j = 0; j < 16; ++j) dst[(i + j) * stride] = codes[j];
+  }
+  return bad ? NAN : m / 127.f;
 }
 
 // Rotate one head (rotate-half layout) and write it to dst, element i at dst[i * stride].
