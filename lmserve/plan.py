@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from lmserve.attention import resolve_kv_dtype
+from lmserve.attention.base import AttentionShape
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.args import ModelArgs
 
@@ -109,7 +111,8 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     util = config.gpu_memory_utilization or DEFAULT_MEMORY_UTILIZATION
     budget = int(util * device)
     weights = weight_bytes(args, opt.weight_dtype, opt.act_dtype)
-    kv_per_token = 2 * args.num_layers * args.num_kv_heads * kv_bytes_per_head(args.head_dim, opt.kv_dtype)
+    kv_dtype = resolve_kv_dtype(opt.kv_dtype, AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim))
+    kv_per_token = 2 * args.num_layers * args.num_kv_heads * kv_bytes_per_head(args.head_dim, kv_dtype)
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
     context = args.context_length
     gathers_kv = opt.attention == "torch_native"
@@ -137,7 +140,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
                         workspace, margin)
     _check(args, memory, total, single, chunk, util)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
-                      opt.weight_dtype, opt.kv_dtype, opt.act_dtype,
+                      opt.weight_dtype, kv_dtype, opt.act_dtype,
                       opt.mlp_act_dtype or opt.act_dtype, opt.attention, memory)
 
 

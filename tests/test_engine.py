@@ -8,6 +8,7 @@ import random
 import threading
 
 import pytest
+import torch
 
 from conftest import generate_tokens as run_one, run_concurrently as run_together, wait_idle
 from lmserve import AsyncEngine, Engine, SamplingParams
@@ -260,3 +261,20 @@ def test_requests_after_shutdown_fail_instead_of_hanging(tiny_model_dir):
     with pytest.raises(RuntimeError, match="shut down"):
         next(engine.generate([1, 2, 3], SamplingParams(max_tokens=2)))
     assert engine.kv_pages_in_use() == 0 and engine.stats().num_running == 0
+
+
+def test_o3_runs_on_the_torch_path_with_a_bf16_cache_where_the_kernel_cannot(tiny_model_dir, monkeypatch,
+                                                                              caplog):
+    """O3's int8 KV cache only exists in the C++ attention kernel: without it (simulated) the
+    engine logs the fallback, sizes a bfloat16 cache and still serves."""
+    from lmserve.attention import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "why_unsupported", lambda shape, dtype: "no AVX-512 (simulated)")
+    with caplog.at_level("WARNING", logger="lmserve"):
+        engine = Engine(tiny_model_dir, opt="O3", verbose=False)
+    try:
+        assert "kv_dtype=int8 needs the C++ attention kernel" in caplog.text
+        assert engine._core.runner.kv.k[0].dtype == torch.bfloat16
+        assert len(run_one(engine, [5, 6, 7], GREEDY)) == 24
+    finally:
+        engine.shutdown()

@@ -101,6 +101,14 @@ def test_weight_and_kv_bytes_follow_the_model_and_opt():
     assert weight_bytes(args, "bfloat16") == layers * 2.25 + 256 * 64 * (2 + 2.25) + 5 * 64 * 4
 
 
+def test_int8_kv_falls_back_to_bfloat16_where_the_kernel_cannot_serve(monkeypatch):
+    from lmserve.attention import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "why_unsupported", lambda shape, dtype: "no AVX-512 (simulated)")
+    plan = make_plan(EngineConfig(opt="O3"), _args(), device_memory=16 * GiB)
+    assert plan.kv_dtype == "bfloat16" and plan.memory.kv_per_token == 2 * 2 * 2 * 16 * 2
+
+
 def test_server_mode_fills_the_budget_with_kv():
     args = _args(2048)
     kv_per_token = 2 * 2 * 2 * 16 * 2

@@ -18,3 +18,11 @@ def resolve_attention(name: str, shape: AttentionShape, kv_dtype: torch.dtype) -
             logger.warning("attention=cpu_paged is unavailable (%s); using torch_native", reason)
             return "torch_native"
     return name
+
+
+def resolve_kv_dtype(kv_dtype: str, shape: AttentionShape) -> str:
+    """``kv_dtype``, or bfloat16 when it is int8 and the C++ kernel (the only reader of int8 KV)
+    cannot serve this model here. The plan and the engine both ask; the engine logs it."""
+    if kv_dtype == "int8" and cpu_paged.why_unsupported(shape, torch.int8):
+        return "bfloat16"
+    return kv_dtype

@@ -68,12 +68,12 @@ class EngineCore:
 
         a, plan = self.args, self.plan
         shape = AttentionShape(a.num_heads, a.num_kv_heads, a.head_dim)
-        kv_dtype = KV_DTYPES[opt.kv_dtype]
-        attention = resolve_attention(opt.attention, shape, kv_dtype)
-        if kv_dtype == torch.int8 and attention != "cpu_paged":  # only the kernel reads int8 KV
-            raise RuntimeError(f"opt kv_dtype=int8 needs the C++ attention kernel, which is "
-                               f"unavailable here ({cpu_paged.why_unsupported(shape, kv_dtype)})")
-        backend = create_backend(attention, shape)
+        if plan.kv_dtype != opt.kv_dtype:  # int8 KV, which only the C++ kernel reads
+            logger.warning("kv_dtype=%s needs the C++ attention kernel, unavailable here (%s); "
+                           "using a %s KV cache", opt.kv_dtype,
+                           cpu_paged.why_unsupported(shape, torch.int8), plan.kv_dtype)
+        kv_dtype = KV_DTYPES[plan.kv_dtype]
+        backend = create_backend(resolve_attention(opt.attention, shape, kv_dtype), shape)
         kv = KVCache(a.num_layers, plan.num_pages, plan.page_size, a.num_kv_heads, a.head_dim,
                      kv_dtype, self.device, backend.keys_transposed)
         self.pool = PagePool(plan.num_pages)

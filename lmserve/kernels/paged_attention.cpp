@@ -43,8 +43,9 @@ template <>
 constexpr int kScaleRows<int8_t> = 4;
 
 // A head's D values to int8 codes (code = round(x / scale), scale = max|x| / 127), code i at
-// dst[i * stride]; returns the scale (NaN if x holds a NaN or an infinity, so the outputs that
-// use it are NaN rather than finite nonsense; 0 for all-zero x).
+// dst[i * stride]; returns the scale: NaN if x holds a NaN or an infinity (a value then makes its
+// rows' outputs NaN; a key's NaN score gets a weight of about e^-87, as with a float cache), and
+// codes 0 for x all zero or too small for 127 / max|x| to be finite.
 inline float quantize_head(const float* x, int8_t* dst, int D, int64_t stride) {
   __m512 amax = _mm512_setzero_ps();
   __mmask16 bad = 0;  // lanes that met a NaN or an infinity
@@ -54,7 +55,8 @@ inline float quantize_head(const float* x, int8_t* dst, int D, int64_t stride) {
     amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
   }
   const float m = _mm512_reduce_max_ps(amax);
-  const __m512 inv = _mm512_set1_ps(m > 0.f && !bad ? 127.f / m : 0.f);
+  const float r = m > 0.f && !bad ? 127.f / m : 0.f;
+  const __m512 inv = _mm512_set1_ps(std::isfinite(r) ? r : 0.f);
   for (int i = 0; i < D; i += 16) {  // |x * inv| <= 127: round to nearest even, then narrow
     alignas(16) int8_t codes[16];
     const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv),
@@ -185,11 +187,16 @@ void prefetch_blocks(const Cache* kc, const Cache* vc, const int32_t* pages, int
     const int64_t page_id = pages[(start + 16 * b) / page_size];
     const int offset = (start + 16 * b) % page_size;
     // The block's keys are D runs of 16, page_size apart: one line holds one run, or several
-    // when pages hold 16 keys.
-    const int DK = D + kScaleRows<Cache>;  // (the int8 key scales are 4 more rows)
+    // when pages hold 16 keys. An int8 cache's 16 scales follow the page's D rows.
+    const int DK = D + kScaleRows<Cache>;
     const Cache* k = kc + (page_id * KVH + kvh) * DK * page_size + offset;
     const int dims_a_line = std::max(1, 64 / (page_size * (int)sizeof(Cache)));
-    for (int d = 0; d < DK; d += dims_a_line) prefetch_l2(k + (int64_t)d * page_size);
+    for (int d = 0; d < D; d += dims_a_line) prefetch_l2(k + (int64_t)d * page_size);
+    if constexpr (kScaleRows<Cache> > 0) {
+      const float* scales = (const float*)(k - offset + D * page_size) + offset;
+      prefetch_l2(scales);
+      prefetch_l2(scales + 15);
+    }
     const Cache* v = vc + ((page_id * page_size + offset) * KVH + kvh) * DK;
     for (int j = 0; j < 16; ++j)
       for (int x = 0; x < DK * (int)sizeof(Cache); x += 64)
