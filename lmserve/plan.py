@@ -112,7 +112,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     budget = int(util * device)
     weights = weight_bytes(args, opt.weight_dtype, opt.act_dtype)
     kv_dtype = resolve_kv_dtype(opt.kv_dtype, AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim))
-    kv_per_token = 2 * args.num_layers * args.num_kv_heads * kv_bytes_per_head(args.head_dim, kv_dtype)
+    kv_per_token = args.num_layers * args.num_kv_heads * kv_bytes_per_head(args.head_dim, kv_dtype)
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
     context = args.context_length
     gathers_kv = opt.attention == "torch_native"
@@ -145,10 +145,11 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
 
 
 def kv_bytes_per_head(head_dim: int, kv_dtype: str) -> int:
-    """Bytes of one token's key (or value) for one KV head: int8 codes carry a float32 scale."""
+    """Bytes of one token's key and value for one KV head: int8 codes carry a float32 scale
+    each, and the key its int32 code sum."""
     if kv_dtype == "int8":
-        return head_dim + 4
-    return head_dim * _DTYPE_BYTES[kv_dtype]
+        return 2 * head_dim + 12
+    return 2 * head_dim * _DTYPE_BYTES[kv_dtype]
 
 
 def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16") -> int:

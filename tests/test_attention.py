@@ -166,10 +166,10 @@ def test_kernel_rows_do_not_depend_on_batch_company(cache, hd, page, heads, monk
 @pytest.mark.parametrize("page", [4, 16])  # 16: the decoded rows read the cache directly
 @pytest.mark.parametrize("hd", [16, 64, 128])
 def test_int8_cache_stays_close_to_float32(hd, page, monkeypatch):
-    """An int8 cache (codes with a scale per token and head) against a float32 one on the same
-    steps, prefill then decode: outputs of size about 3 agree within 5e-2 (each key and value
-    off by at most half a step of max|x| / 127), and the stored codes decode to the keys and
-    values within that half step."""
+    """An int8 cache (codes with a scale per token and head; keys and the query multiplied as
+    int8 codes) against a float32 one on the same steps, prefill then decode: outputs of size
+    about 3 agree within 5e-2, and the stored codes decode to the keys and values within half a
+    step of max|x| / 127, the keys' code sums stored beside them."""
     monkeypatch.setattr(sys.modules[__name__], "PAGE", page)
     torch.manual_seed(3)
     rotary = RotaryEmbedding(hd, 64, 10000.0)
@@ -186,11 +186,14 @@ def test_int8_cache_stays_close_to_float32(hd, page, monkeypatch):
     torch.testing.assert_close(outs[1], outs[0], atol=5e-2, rtol=0)
     (k32, v32), (k8, v8) = caches
     slots = [p * page + o for p in pages[0] for o in range(page)][:19]
-    for slot in slots:  # a key: codes then, 4 rows on, the page's float scales
+    for slot in slots:  # rows of 4 * page bytes: the keys' codes 4 dimensions a row, scales, sums
         pg, off = divmod(slot, page)
-        codes = k8[pg, :, :hd, off].float()
-        scale = k8[pg, :, hd:, :].reshape(KVH, 4 * page).view(torch.float32)[:, off]  # (KVH,)
-        key = codes * scale[:, None]
+        rows = k8[pg].reshape(KVH, hd // 4 + 2, page, 4)
+        codes = rows[:, : hd // 4, off, :].reshape(KVH, hd)
+        scale = rows[:, hd // 4].reshape(KVH, 4 * page).view(torch.float32)[:, off]  # (KVH,)
+        sums = rows[:, hd // 4 + 1].reshape(KVH, 4 * page).view(torch.int32)[:, off]
+        assert torch.equal(sums, codes.sum(1, dtype=torch.int32))
+        key = codes.float() * scale[:, None]
         assert (key - k32[pg, :, :, off]).abs().max() <= k32[pg, :, :, off].abs().max() / 254 + 1e-6
         v_scale = v8[slot, :, hd:].contiguous().view(torch.float32)  # (KVH, 1)
         value = v8[slot, :, :hd].float() * v_scale

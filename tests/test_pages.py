@@ -88,9 +88,9 @@ def test_kv_cache_transposed_keys_hold_each_pages_keys_by_dimension():
     assert kv.k[0].shape == (8, 2, 32, 16) and kv.v[0].shape == (8 * 16, 2, 32)
 
 
-def test_int8_kv_cache_keeps_a_scale_after_each_heads_codes():
+def test_int8_kv_cache_keeps_scales_after_each_heads_codes():
     kv = KVCache(num_layers=1, num_pages=8, page_size=16, num_kv_heads=2, head_dim=32,
                  dtype=torch.int8, keys_transposed=True)
-    assert kv.k[0].shape == (8, 2, 32 + 4, 16) and kv.v[0].shape == (8 * 16, 2, 32 + 4)
+    assert kv.k[0].shape == (8, 2, 32 + 8, 16) and kv.v[0].shape == (8 * 16, 2, 32 + 4)
     with pytest.raises(ValueError, match="keys transposed"):
         KVCache(1, 8, 16, 2, 32, dtype=torch.int8)

@@ -96,7 +96,7 @@ def test_weight_and_kv_bytes_follow_the_model_and_opt():
     bf16 = make_plan(EngineConfig(opt="O1"), args, device_memory=16 * GiB).memory
     assert f32.kv_per_token == 2 * 2 * 2 * 16 * 4 == 2 * bf16.kv_per_token
     int8 = make_plan(EngineConfig(opt="O3"), args, device_memory=16 * GiB).memory
-    assert int8.kv_per_token == 2 * 2 * 2 * (16 + 4)  # codes and a float32 scale per head
+    assert int8.kv_per_token == 2 * 2 * (2 * 16 + 12)  # codes, scales, the keys' code sums
     assert f32.weights == weight_bytes(args, "float32") and bf16.weights == weight_bytes(args, "bfloat16")
     assert weight_bytes(args, "bfloat16") == layers * 2.25 + 256 * 64 * (2 + 2.25) + 5 * 64 * 4
 

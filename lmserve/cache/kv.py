@@ -38,11 +38,12 @@ class KVCache:
     layout) ``(num_pages, num_kv_heads, head_dim, page_size)``: each page's keys per head as
     ``head_dim`` rows of ``page_size``, so one dimension of consecutive keys is contiguous.
 
-    An int8 cache (the C++ kernel's only, keys transposed) holds codes and their float32 scales
-    (value = code * scale, one scale per token and head) in the same buffers, 4 bytes more per
-    head: ``k`` is ``(num_pages, num_kv_heads, head_dim + 4, page_size)``, the last 4 rows the
-    page's ``page_size`` scales; ``v`` is ``(slots, num_kv_heads, head_dim + 4)``, each slot's
-    codes then its scale.
+    An int8 cache (the C++ kernel's only) holds codes and their float32 scales (value = code *
+    scale, one scale per token and head) in the same buffers: ``v`` is ``(slots, num_kv_heads,
+    head_dim + 4)``, each slot's codes then its scale; ``k`` is ``(num_pages, num_kv_heads,
+    head_dim + 8, page_size)`` bytes, per page and head rows of ``4 * page_size`` bytes: for each
+    4 dimensions the page's keys' codes for them, then the keys' scales, then the int32 sums of
+    their codes (the kernel's integer dot products read keys this way).
     """
 
     def __init__(
@@ -57,11 +58,12 @@ class KVCache:
         keys_transposed: bool = False,
     ) -> None:
         self.page_size = page_size
+        k_dim = v_dim = head_dim
         if dtype == torch.int8:
             if not keys_transposed:
                 raise ValueError("an int8 KV cache needs the C++ kernel's layout (keys transposed)")
-            head_dim += 4  # the scale's 4 bytes
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
-        k_shape = (num_pages, num_kv_heads, head_dim, page_size) if keys_transposed else shape
+            k_dim, v_dim = head_dim + 8, head_dim + 4  # a key's scale and code sum, a value's scale
+        shape = (num_pages * page_size, num_kv_heads, v_dim)
+        k_shape = (num_pages, num_kv_heads, k_dim, page_size) if keys_transposed else shape
         self.k = [zeros_on_demand(k_shape, dtype, device) for _ in range(num_layers)]
         self.v = [zeros_on_demand(shape, dtype, device) for _ in range(num_layers)]

@@ -15,7 +15,9 @@
 //   k cache    (num_pages, KVH, D, page_size)  bf16 or fp32: each page's keys transposed per KV
 //                                    head, so 16 keys' values of one dimension are contiguous
 //   v cache    (num_slots, KVH, D)    bf16 or fp32; slot = page * page_size + offset
-//   int8 caches (num_pages, KVH, D + 4, page_size) and (num_slots, KVH, D + 4): each key's and
+//   int8 caches: k (num_pages, KVH, D + 8, page_size) bytes, per page and head rows of 4 *
+//              page_size bytes: D/4 rows of each key's codes for 4 dimensions in turn, then the
+//              keys' float scales, then the sums of their codes; v (num_slots, KVH, D + 4): each
 //              value's codes, then its float scale (value = code * scale, per token and head)
 //   page_off   (T,)                   int64 index into `pages` where the token's page list starts
 //   ctx        (T,)                   int32 keys the token sees (its position + 1)
@@ -35,12 +37,17 @@ using namespace lm;
 
 constexpr int kMaxD = 256;      // head_dim limit (multiple of 16)
 
-// Rows of cache elements after a head's D that hold its scales: an int8 cache keeps a float scale
-// per key (and value) and head, 4 bytes, after the codes; other caches hold the values themselves.
+// Cache elements after a head's D that an int8 cache adds (other caches hold the values
+// themselves): a key's float scale and int32 code sum (rows of page_size elements), a value's
+// float scale.
 template <typename Cache>
-constexpr int kScaleRows = 0;
+constexpr int kKeyExtra = 0;
 template <>
-constexpr int kScaleRows<int8_t> = 4;
+constexpr int kKeyExtra<int8_t> = 8;
+template <typename Cache>
+constexpr int kValueExtra = 0;
+template <>
+constexpr int kValueExtra<int8_t> = 4;
 
 // A head's D values to int8 codes (code = round(x / scale), scale = max|x| / 127), code i at
 // dst[i * stride]; returns the scale: NaN if x holds a NaN or an infinity (a value then makes its
@@ -91,15 +98,22 @@ void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const in
     const float* s = sin + (int64_t)t * D;
     for (int h = 0; h < H; ++h) rotate_head(src + h * D, c, s, q_out + ((int64_t)t * H + h) * D, D);
     const int64_t page = slots[t] / page_size, offset = slots[t] % page_size;
-    const int DK = D + kScaleRows<Cache>;
     for (int h = 0; h < KVH; ++h) {
-      Cache* kh = kc + (page * KVH + h) * DK * page_size;  // key dimension d at kh[d * page_size + offset]
-      Cache* vh = vc + (slots[t] * KVH + h) * DK;
+      Cache* kh = kc + (page * KVH + h) * (D + kKeyExtra<Cache>) * page_size;
+      Cache* vh = vc + (slots[t] * KVH + h) * (D + kValueExtra<Cache>);
       const QKV* v = src + (H + KVH + h) * D;
-      if constexpr (kScaleRows<Cache> > 0) {
+      if constexpr (kKeyExtra<Cache> > 0) {
         alignas(64) float x[kMaxD];
+        alignas(64) int8_t codes[kMaxD];
         rotate_head(src + (H + h) * D, c, s, x, D);
-        ((float*)(kh + D * page_size))[offset] = quantize_head(x, kh + offset, D, page_size);
+        const float k_scale = quantize_head(x, codes, D, 1);
+        int32_t sum = 0;
+        for (int e = 0; e < D / 4; ++e) {  // dimensions 4e..4e+3 of this key
+          memcpy(kh + ((int64_t)e * page_size + offset) * 4, codes + 4 * e, 4);
+          sum += codes[4 * e] + codes[4 * e + 1] + codes[4 * e + 2] + codes[4 * e + 3];
+        }
+        ((float*)(kh + D * page_size))[offset] = k_scale;
+        ((int32_t*)(kh + D * page_size + 4 * page_size))[offset] = sum;
         for (int i = 0; i < D; ++i) x[i] = to_f32(v[i]);
         const float v_scale = quantize_head(x, vh, D, 1);
         memcpy(vh + D, &v_scale, sizeof(float));
@@ -124,8 +138,8 @@ constexpr int kMaxRows = 16;  // query rows (tokens x heads of one KV head) shar
 // summed over d in four interleaved chains (d mod 4) added at the end. Each key load serves
 // every row (qr may repeat a row to fill kRows).
 template <int kRows = 4, typename KeyDim>
-inline void block_scores(const float* const* qr, int DV, float scale, const float* key_scales,
-                         KeyDim key_dim, float (*out)[16], int rows) {
+inline void block_scores(const float* const* qr, int DV, float scale, KeyDim key_dim,
+                         float (*out)[16], int rows) {
   __m512 part[kRows][4];
   for (int i = 0; i < kRows; ++i)
     for (int u = 0; u < 4; ++u) part[i][u] = _mm512_setzero_ps();
@@ -134,13 +148,44 @@ inline void block_scores(const float* const* qr, int DV, float scale, const floa
       const __m512 k = key_dim(d + u);
       for (int i = 0; i < kRows; ++i) part[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[i][d + u]), k, part[i][u]);
     }
-  // An int8 cache's keys are codes: their scales (16, null otherwise) join the softmax scale.
-  const __m512 f = key_scales ? _mm512_mul_ps(_mm512_loadu_ps(key_scales), _mm512_set1_ps(scale))
-                              : _mm512_set1_ps(scale);
   for (int i = 0; i < rows; ++i) {
     const __m512 dots = _mm512_add_ps(_mm512_add_ps(part[i][0], part[i][1]),
                                       _mm512_add_ps(part[i][2], part[i][3]));
-    _mm512_store_ps(out[i], _mm512_mul_ps(dots, f));
+    _mm512_store_ps(out[i], _mm512_mul_ps(dots, _mm512_set1_ps(scale)));
+  }
+}
+
+// The query of a row against an int8 cache: its codes (as quantize_head) plus 128, four to a
+// word (vpdpbusd multiplies unsigned bytes with signed ones); returns its scale.
+inline float query_words(const float* q, uint32_t* words, int D) {
+  alignas(64) int8_t codes[kMaxD];
+  const float scale = quantize_head(q, codes, D, 1);
+  for (int i = 0; i < D; ++i) ((uint8_t*)words)[i] = (uint8_t)(codes[i] + 128);
+  return scale;
+}
+
+// block_scores against an int8 cache: key_quad(e) holds the 16 keys' codes of dimensions
+// 4e..4e+3, multiplied with the rows' query words by vpdpbusd (exact integer sums, two chains
+// for e even and odd); 128 * each key's code sum is taken back for the query's offset, and the
+// integer score times q_scale[i], the key's scale and `scale` is the row's score.
+template <int kRows = 4, typename KeyQuad>
+inline void block_scores_q8(const uint32_t* const* qw, const float* q_scale, int D, float scale,
+                            const float* key_scales, const int32_t* key_sums, KeyQuad key_quad,
+                            float (*out)[16], int rows) {
+  __m512i part[kRows][2];
+  for (int i = 0; i < kRows; ++i) part[i][0] = part[i][1] = _mm512_setzero_si512();
+  for (int e = 0; e < D / 4; e += 2)
+    for (int u = 0; u < 2; ++u) {
+      const __m512i k = key_quad(e + u);
+      for (int i = 0; i < kRows; ++i)
+        part[i][u] = _mm512_dpbusd_epi32(part[i][u], _mm512_set1_epi32((int)qw[i][e + u]), k);
+    }
+  const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(key_sums), 7);  // 128 * sum
+  const __m512 ks = _mm512_loadu_ps(key_scales);
+  for (int i = 0; i < rows; ++i) {
+    const __m512i dots = _mm512_sub_epi32(_mm512_add_epi32(part[i][0], part[i][1]), offset);
+    const __m512 f = _mm512_mul_ps(ks, _mm512_set1_ps(q_scale[i] * scale));
+    _mm512_store_ps(out[i], _mm512_mul_ps(_mm512_cvtepi32_ps(dots), f));
   }
 }
 
@@ -188,19 +233,21 @@ void prefetch_blocks(const Cache* kc, const Cache* vc, const int32_t* pages, int
     const int offset = (start + 16 * b) % page_size;
     // The block's keys are D runs of 16, page_size apart: one line holds one run, or several
     // when pages hold 16 keys. An int8 cache's 16 scales follow the page's D rows.
-    const int DK = D + kScaleRows<Cache>;
-    const Cache* k = kc + (page_id * KVH + kvh) * DK * page_size + offset;
-    const int dims_a_line = std::max(1, 64 / (page_size * (int)sizeof(Cache)));
-    for (int d = 0; d < D; d += dims_a_line) prefetch_l2(k + (int64_t)d * page_size);
-    if constexpr (kScaleRows<Cache> > 0) {
-      const float* scales = (const float*)(k - offset + D * page_size) + offset;
-      prefetch_l2(scales);
-      prefetch_l2(scales + 15);
+    const Cache* kh = kc + (page_id * KVH + kvh) * (D + kKeyExtra<Cache>) * page_size;
+    if constexpr (kKeyExtra<Cache> > 0) {  // rows of 4 * page_size bytes: D / 4 of codes, scales, sums
+      for (int e = 0; e < D / 4 + 2; ++e) {
+        prefetch_l2(kh + ((int64_t)e * page_size + offset) * 4);
+        prefetch_l2(kh + ((int64_t)e * page_size + offset) * 4 + 63);
+      }
+    } else {
+      const int dims_a_line = std::max(1, 64 / (page_size * (int)sizeof(Cache)));
+      for (int d = 0; d < D; d += dims_a_line) prefetch_l2(kh + (int64_t)d * page_size + offset);
     }
-    const Cache* v = vc + ((page_id * page_size + offset) * KVH + kvh) * DK;
+    const int DVE = D + kValueExtra<Cache>;
+    const Cache* v = vc + ((page_id * page_size + offset) * KVH + kvh) * DVE;
     for (int j = 0; j < 16; ++j)
-      for (int x = 0; x < DK * (int)sizeof(Cache); x += 64)
-        prefetch_l2((const char*)(v + (int64_t)j * KVH * DK) + x);
+      for (int x = 0; x < DVE * (int)sizeof(Cache); x += 64)
+        prefetch_l2((const char*)(v + (int64_t)j * KVH * DVE) + x);
   }
 }
 
@@ -218,13 +265,20 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   float m[kMaxRows], l[kMaxRows];
   alignas(64) float acc[kMaxRows][kMaxD];
   alignas(64) float kt[kMaxD][16], vf[16][kMaxD];  // a block's keys transposed, its values
-  alignas(64) float k_scales[16], v_scales[16];      // with an int8 cache
-  constexpr bool kScaled = kScaleRows<Cache> > 0;
-  const int DK = D + kScaleRows<Cache>;
+  // With an int8 cache: the keys' codes as vpdpbusd reads them, their scales and code sums, the
+  // values' scales, and the rows' quantized queries.
+  constexpr bool kInt8 = kKeyExtra<Cache> > 0;
+  alignas(64) uint32_t kq[kMaxD / 4][16];
+  alignas(64) float k_scales[16], v_scales[16];
+  alignas(64) int32_t k_sums[16];
+  alignas(64) uint32_t qw[kInt8 ? kMaxRows : 1][kMaxD / 4];
+  float q_scales[kMaxRows];
+  const int64_t k_head = (int64_t)(D + kKeyExtra<Cache>) * page_size, v_head = D + kValueExtra<Cache>;
   for (int r = 0; r < R; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.f;
     memset(acc[r], 0, sizeof(float) * D);
+    if constexpr (kInt8) q_scales[r] = query_words(q + row_at(r, G, H, D), qw[r], D);
   }
   const int DV = kDV ? kDV : D / 16;  // compile-time for common head sizes: registers, unrolled
   const int n_keys = ctx[tokens - 1];  // the last token sees the most keys
@@ -237,24 +291,35 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
     for (int j = 0; j < n;) {
       const int run = std::min(n - j, page_size - offset);
       const int64_t page_id = pages[page];
-      const Cache* k = kc + (page_id * KVH + kvh) * DK * page_size + offset;
+      const Cache* kh = kc + (page_id * KVH + kvh) * k_head;
       const __mmask16 lanes = (__mmask16)((1u << run) - 1);
-      for (int d = 0; d < D; ++d)
-        _mm512_mask_storeu_ps(kt[d] + j, lanes, load16_masked(k + (int64_t)d * page_size, lanes));
-      if constexpr (kScaled)
-        _mm512_mask_storeu_ps(k_scales + j, lanes, _mm512_maskz_loadu_ps(lanes, (const float*)(k - offset + D * page_size) + offset));
+      if constexpr (kInt8) {  // rows of 4 * page_size bytes: codes by 4 dimensions, scales, sums
+        const uint32_t* rows = (const uint32_t*)kh + offset;
+        for (int e = 0; e < D / 4; ++e)
+          _mm512_mask_storeu_epi32(kq[e] + j, lanes, _mm512_maskz_loadu_epi32(lanes, rows + (int64_t)e * page_size));
+        _mm512_mask_storeu_ps(k_scales + j, lanes, _mm512_maskz_loadu_ps(lanes, (const float*)(rows + (int64_t)(D / 4) * page_size)));
+        _mm512_mask_storeu_epi32(k_sums + j, lanes, _mm512_maskz_loadu_epi32(lanes, rows + (int64_t)(D / 4 + 1) * page_size));
+      } else {
+        for (int d = 0; d < D; ++d)
+          _mm512_mask_storeu_ps(kt[d] + j, lanes, load16_masked(kh + (int64_t)d * page_size + offset, lanes));
+      }
       for (int i = 0; i < run; ++i) {
-        const Cache* v = vc + ((page_id * page_size + offset + i) * KVH + kvh) * DK;
+        const Cache* v = vc + ((page_id * page_size + offset + i) * KVH + kvh) * v_head;
         for (int d = 0; d < DV; ++d) _mm512_store_ps(vf[j + i] + 16 * d, load16(v + 16 * d));
-        if constexpr (kScaled) memcpy(v_scales + j + i, v + D, sizeof(float));
+        if constexpr (kInt8) memcpy(v_scales + j + i, v + D, sizeof(float));
       }
       j += run;
       offset += run;
       if (offset == page_size) offset = 0, ++page;
     }
     if (n < 16) {  // keys past the end score zero (then masked), never garbage
-      for (int d = 0; d < D; ++d) _mm512_mask_storeu_ps(kt[d], (__mmask16)(0xffffu << n), _mm512_setzero_ps());
-      for (int j = n; j < 16; ++j) k_scales[j] = v_scales[j] = 0.f;
+      const __mmask16 past = (__mmask16)(0xffffu << n);
+      if constexpr (kInt8) {
+        for (int e = 0; e < D / 4; ++e) _mm512_mask_storeu_epi32(kq[e], past, _mm512_setzero_si512());
+        for (int j = n; j < 16; ++j) k_scales[j] = v_scales[j] = 0.f, k_sums[j] = 0;
+      } else {
+        for (int d = 0; d < D; ++d) _mm512_mask_storeu_ps(kt[d], past, _mm512_setzero_ps());
+      }
     }
     // Three passes over the rows (scores, softmax update, weighted values) rather than one row
     // at a time: the rows are independent, so each pass's long-latency chains (the reductions,
@@ -264,15 +329,22 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
     int n_row[kMaxRows];
     for (int r = 0; r < R; ++r) n_row[r] = std::min(16, ctx[r / G] - start);  // keys it sees
     for (int r0 = 0; r0 < R; r0 += 4) {
-      const float* qr[4];
-      for (int i = 0; i < 4; ++i) qr[i] = q + row_at(std::min(r0 + i, R - 1), G, H, D);
-      block_scores(qr, DV, scale, kScaled ? k_scales : nullptr, [&](int d) { return _mm512_load_ps(kt[d]); }, pj + r0,
-                   std::min(4, R - r0));
+      if constexpr (kInt8) {
+        const uint32_t* qr[4];
+        for (int i = 0; i < 4; ++i) qr[i] = qw[std::min(r0 + i, R - 1)];
+        block_scores_q8(qr, q_scales + r0, D, scale, k_scales, k_sums,
+                        [&](int e) { return _mm512_load_si512(kq[e]); }, pj + r0, std::min(4, R - r0));
+      } else {
+        const float* qr[4];
+        for (int i = 0; i < 4; ++i) qr[i] = q + row_at(std::min(r0 + i, R - 1), G, H, D);
+        block_scores(qr, DV, scale, [&](int d) { return _mm512_load_ps(kt[d]); }, pj + r0,
+                     std::min(4, R - r0));
+      }
     }
     for (int r = 0; r < R; ++r)
       if (n_row[r] > 0) {
         alpha[r] = softmax_update(pj[r], n_row[r], m[r], l[r]);
-        if constexpr (kScaled) scale_weights(pj[r], v_scales);
+        if constexpr (kInt8) scale_weights(pj[r], v_scales);
       }
     // Keys outer, head-dim chunks inner: the DV accumulators are independent FMA chains that
     // overlap (one chain per chunk would wait on the FMA latency at every key).
@@ -305,7 +377,11 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
   constexpr int kChunk = 4;
   const int R = tokens * G;
   const int DV = kDV ? kDV : D / 16;
+  constexpr bool kInt8 = kKeyExtra<Cache> > 0;
   const float* qr[4];
+  alignas(64) uint32_t qw[kInt8 ? 4 : 1][kMaxD / 4];  // an int8 cache's quantized queries
+  const uint32_t* qwr[4] = {};
+  float q_scales[4] = {};
   int row_ctx[4];
   for (int i = 0; i < 4; ++i) {
     const int r = std::min(i, R - 1);
@@ -318,11 +394,11 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
     m[r] = -INFINITY;
     l[r] = 0.f;
     memset(acc[r], 0, sizeof(float) * D);
+    if constexpr (kInt8) q_scales[r] = query_words(qr[r], qw[r], D), qwr[r] = qw[r];
   }
   const int n_keys = ctx[tokens - 1];
-  constexpr bool kScaled = kScaleRows<Cache> > 0;
-  const int DK = D + kScaleRows<Cache>;
-  const int64_t v_stride = (int64_t)KVH * DK;  // between consecutive slots' values
+  const int64_t k_head = (int64_t)(D + kKeyExtra<Cache>) * page_size;
+  const int64_t v_stride = (int64_t)KVH * (D + kValueExtra<Cache>);  // between slots' values
   prefetch_blocks(kc, vc, pages, 0, kChunk, n_keys, kvh, KVH, D, page_size);
   for (int c0 = 0; c0 < n_keys; c0 += 16 * kChunk) {
     prefetch_blocks(kc, vc, pages, c0 + 16 * kChunk, kChunk, n_keys, kvh, KVH, D, page_size);
@@ -330,36 +406,44 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
     alignas(64) float pj[kChunk][4][16];
     float alpha[kChunk][4];
     int n_row[kChunk][4];
-    const Cache* kb[kChunk];
     const Cache* vb[kChunk];
-    const float* k_scales[kChunk] = {};
     alignas(64) float v_scales[kChunk][16];
     for (int b = 0; b < nb; ++b) {
       const int start = c0 + 16 * b;
       const int64_t page_id = pages[start / page_size];
       const int offset = start % page_size;
-      kb[b] = kc + (page_id * KVH + kvh) * DK * page_size + offset;
-      vb[b] = vc + ((page_id * page_size + offset) * KVH + kvh) * DK;
+      const Cache* kh = kc + (page_id * KVH + kvh) * k_head;
+      vb[b] = vc + ((page_id * page_size + offset) * KVH + kvh) * (D + kValueExtra<Cache>);
       for (int r = 0; r < R; ++r) n_row[b][r] = std::min(16, row_ctx[r] - start);
-      if constexpr (kScaled) {
-        k_scales[b] = (const float*)(kb[b] - offset + D * page_size) + offset;
+      // The last block's keys past the end (stale or zero) are masked out of the softmax.
+      if constexpr (kInt8) {
         for (int j = 0; j < 16; ++j) v_scales[b][j] = 0.f;
         for (int j = 0; j < std::min(16, n_keys - start); ++j) memcpy(v_scales[b] + j, vb[b] + j * v_stride + D, sizeof(float));
-      }
-      // The last block's keys past the end (stale or zero) are masked out of the softmax.
-      auto key_dim = [&](int d) { return load16(kb[b] + (int64_t)d * page_size); };
-      switch (R) {  // no repeated row (the 4th of a 3-head group costs a quarter of the FMAs)
-        case 1: block_scores<1>(qr, DV, scale, k_scales[b], key_dim, pj[b], R); break;
-        case 2: block_scores<2>(qr, DV, scale, k_scales[b], key_dim, pj[b], R); break;
-        case 3: block_scores<3>(qr, DV, scale, k_scales[b], key_dim, pj[b], R); break;
-        default: block_scores<4>(qr, DV, scale, k_scales[b], key_dim, pj[b], R);
+        const uint32_t* rows = (const uint32_t*)kh + offset;  // codes by 4 dimensions, scales, sums
+        const float* ks = (const float*)(rows + (int64_t)(D / 4) * page_size);
+        const int32_t* sums = (const int32_t*)(rows + (int64_t)(D / 4 + 1) * page_size);
+        auto key_quad = [&](int e) { return _mm512_loadu_si512(rows + (int64_t)e * page_size); };
+        switch (R) {
+          case 1: block_scores_q8<1>(qwr, q_scales, D, scale, ks, sums, key_quad, pj[b], R); break;
+          case 2: block_scores_q8<2>(qwr, q_scales, D, scale, ks, sums, key_quad, pj[b], R); break;
+          case 3: block_scores_q8<3>(qwr, q_scales, D, scale, ks, sums, key_quad, pj[b], R); break;
+          default: block_scores_q8<4>(qwr, q_scales, D, scale, ks, sums, key_quad, pj[b], R);
+        }
+      } else {
+        auto key_dim = [&](int d) { return load16(kh + (int64_t)d * page_size + offset); };
+        switch (R) {  // no repeated row (the 4th of a 3-head group costs a quarter of the FMAs)
+          case 1: block_scores<1>(qr, DV, scale, key_dim, pj[b], R); break;
+          case 2: block_scores<2>(qr, DV, scale, key_dim, pj[b], R); break;
+          case 3: block_scores<3>(qr, DV, scale, key_dim, pj[b], R); break;
+          default: block_scores<4>(qr, DV, scale, key_dim, pj[b], R);
+        }
       }
     }
     for (int b = 0; b < nb; ++b)
       for (int r = 0; r < R; ++r)
         if (n_row[b][r] > 0) {
           alpha[b][r] = softmax_update(pj[b][r], n_row[b][r], m[r], l[r]);
-          if constexpr (kScaled) scale_weights(pj[b][r], v_scales[b]);
+          if constexpr (kInt8) scale_weights(pj[b][r], v_scales[b]);
         }
     for (int d0 = 0; d0 < DV; d0 += 4) {  // 64 dimensions at a time: 16 accumulators
       const int dn = std::min(4, DV - d0);
