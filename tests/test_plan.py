@@ -1,6 +1,7 @@
 """make_plan: mode presets, explicit overrides, page count, refusals; the start-up table."""
 
 import pytest
+import torch
 
 from lmserve.config import EngineConfig
 from lmserve.models.args import ModelArgs
@@ -107,6 +108,20 @@ def test_int8_kv_falls_back_to_bfloat16_where_the_kernel_cannot_serve(monkeypatc
     monkeypatch.setattr(cpu_paged, "why_unsupported", lambda shape, dtype: "no AVX-512 (simulated)")
     plan = make_plan(EngineConfig(opt="O3"), _args(), device_memory=16 * GiB)
     assert plan.kv_dtype == "bfloat16" and plan.memory.kv_per_token == 2 * 2 * 2 * 16 * 2
+
+
+def test_int8_kv_needs_vnni_but_bf16_kv_does_not(monkeypatch):
+    from lmserve.attention import cpu_paged
+    from lmserve.attention.base import AttentionShape
+
+    lib = cpu_paged._library()
+    if lib is None:
+        pytest.skip("the C++ attention kernel is unavailable here")
+    monkeypatch.setattr(lib, "lm_paged_attention_int8_kv", lambda: 0)  # a CPU without VNNI
+    shape = AttentionShape(4, 2, 16)
+    assert "VNNI" in cpu_paged.why_unsupported(shape, torch.int8)
+    assert cpu_paged.why_unsupported(shape, torch.bfloat16) is None
+    assert make_plan(EngineConfig(opt="O3"), _args(), device_memory=16 * GiB).kv_dtype == "bfloat16"
 
 
 def test_server_mode_fills_the_budget_with_kv():

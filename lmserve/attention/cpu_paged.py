@@ -22,8 +22,12 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
 def _library() -> Optional[ctypes.CDLL]:
-    return load_kernel_library(
-        "paged_attention", {"lm_paged_attention": [_P] * 11 + [_I] * 5 + [ctypes.c_float, _I, _I]})
+    lib = load_kernel_library(
+        "paged_attention", {"lm_paged_attention": [_P] * 11 + [_I] * 5 + [ctypes.c_float, _I, _I],
+                            "lm_paged_attention_int8_kv": []})
+    if lib is not None:  # (load_kernel_library's functions return nothing; this one answers)
+        lib.lm_paged_attention_int8_kv.restype = ctypes.c_int
+    return lib
 
 
 def why_unsupported(shape: AttentionShape, kv_dtype: torch.dtype) -> Optional[str]:
@@ -37,6 +41,8 @@ def why_unsupported(shape: AttentionShape, kv_dtype: torch.dtype) -> Optional[st
     reason = why_unavailable()
     if reason is None and _library() is None:
         reason = "the kernel failed to build (see the log)"
+    if reason is None and kv_dtype == torch.int8 and not _library().lm_paged_attention_int8_kv():
+        reason = "the CPU lacks AVX512-VNNI, which an int8 KV cache's scores need"
     return reason
 
 

@@ -129,9 +129,9 @@ constexpr int kMaxRows = 16;  // query rows (tokens x heads of one KV head) shar
                               // so at most 16 query heads per KV head (checked in cpu_paged.py)
 
 // Both attention paths below compute a row (one token, one query head) with the same operations
-// in the same order (block_scores, softmax_update, then the weighted values acc = acc * alpha +
-// p[j] * value j over the keys in order, as per-element FMA chains; store_row), so its output
-// does not depend on which path ran it.
+// in the same order (block_scores, or block_scores_q8 on an int8 cache; softmax_update; the
+// weighted values acc = acc * alpha + p[j] * value j over the keys in order, as per-element FMA
+// chains; store_row), so its output does not depend on which path ran it.
 
 // Scores of kRows rows against a block of 16 keys, times `scale`, into out[0 .. rows): the
 // 16 keys' scores in the lanes of one vector, q[d] times the keys' dimension d (key_dim(d)),
@@ -530,6 +530,15 @@ void run(const void* qkv, const float* cos, const float* sin, const int64_t* slo
 
 extern "C" {
 
+// Whether this build reads int8 caches (the CPU has AVX512-VNNI for their integer scores).
+int lm_paged_attention_int8_kv() {
+#ifdef __AVX512VNNI__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 // flags: bit 0 = qkv is bf16, bit 1 = caches are bf16, bit 2 = out is bf16 (else fp32), bit 4 =
 // caches are int8 (with scales; bit 1 clear).
 void lm_paged_attention(const void* qkv, const float* cos, const float* sin, const int64_t* slots,
@@ -551,10 +560,12 @@ void lm_paged_attention(const void* qkv, const float* cos, const float* sin, con
     LM_CASE(5, uint16_t, float, uint16_t)
     LM_CASE(6, float, uint16_t, uint16_t)
     LM_CASE(7, uint16_t, uint16_t, uint16_t)
+#ifdef __AVX512VNNI__  // int8 caches: integer scores with vpdpbusd
     LM_CASE(16, float, int8_t, float)
     LM_CASE(17, uint16_t, int8_t, float)
     LM_CASE(20, float, int8_t, uint16_t)
     LM_CASE(21, uint16_t, int8_t, uint16_t)
+#endif
   }
 #undef LM_CASE
 }
