@@ -18,6 +18,7 @@ from typing import Optional
 
 from lmserve.attention import resolve_kv_dtype
 from lmserve.attention.base import AttentionShape
+from lmserve.cache.kv import kv_bytes_per_head
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.args import ModelArgs
 
@@ -35,7 +36,6 @@ SERVER_CHUNK = 256
 RUNTIME_MARGIN_BYTES = 768 << 20
 RUNTIME_MARGIN_FRACTION = 0.05
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Bytes per entry of the embedding table, by act_dtype (integer activations leave it float32).
 _TABLE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 4, "int16": 4}
 # Bytes per weight of each weight format, at most. Block formats hold 32 weights (4-bit, 8-bit
@@ -142,14 +142,6 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
                       opt.weight_dtype, kv_dtype, opt.act_dtype,
                       opt.mlp_act_dtype or opt.act_dtype, opt.attention, memory)
-
-
-def kv_bytes_per_head(head_dim: int, kv_dtype: str) -> int:
-    """Bytes of one token's key and value for one KV head: int8 codes carry a float32 scale
-    each, and the key its int32 code sum."""
-    if kv_dtype == "int8":
-        return 2 * head_dim + 12
-    return 2 * head_dim * _DTYPE_BYTES[kv_dtype]
 
 
 def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16") -> int:

@@ -29,6 +29,20 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": to
              "int8": torch.int8}
 
 
+def head_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Elements of one token's key and value for one KV head: ``head_dim``, and for int8 codes
+    the key's float32 scale and int32 code sum, the value's scale after them."""
+    if dtype == torch.int8:
+        return head_dim + 8, head_dim + 4
+    return head_dim, head_dim
+
+
+def kv_bytes_per_head(head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one token's key and value for one KV head in a ``kv_dtype`` (opt name) cache."""
+    dtype = KV_DTYPES[kv_dtype]
+    return sum(head_sizes(head_dim, dtype)) * dtype.itemsize
+
+
 class KVCache:
     """Per-layer key/value buffers addressed by slot (``page * page_size + offset``).
 
@@ -58,11 +72,9 @@ class KVCache:
         keys_transposed: bool = False,
     ) -> None:
         self.page_size = page_size
-        k_dim = v_dim = head_dim
-        if dtype == torch.int8:
-            if not keys_transposed:
-                raise ValueError("an int8 KV cache needs the C++ kernel's layout (keys transposed)")
-            k_dim, v_dim = head_dim + 8, head_dim + 4  # a key's scale and code sum, a value's scale
+        if dtype == torch.int8 and not keys_transposed:
+            raise ValueError("an int8 KV cache needs the C++ kernel's layout (keys transposed)")
+        k_dim, v_dim = head_sizes(head_dim, dtype)
         shape = (num_pages * page_size, num_kv_heads, v_dim)
         k_shape = (num_pages, num_kv_heads, k_dim, page_size) if keys_transposed else shape
         self.k = [zeros_on_demand(k_shape, dtype, device) for _ in range(num_layers)]

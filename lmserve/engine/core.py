@@ -10,9 +10,8 @@ from typing import Optional
 
 import torch
 
-from lmserve.attention import resolve_attention
+from lmserve.attention import cpu_paged, resolve_attention
 from lmserve.attention.base import AttentionShape, create_backend
-from lmserve.attention import cpu_paged
 from lmserve.attention.cpu_paged import CpuPagedBackend
 from lmserve.cache.kv import KV_DTYPES, KVCache
 from lmserve.cache.pages import PagePool

@@ -1,5 +1,5 @@
 // Runs a list of kernel calls in one go, so a step's decoder layers cost one call from Python
-// instead of eight a layer (see models/layer_calls.py).
+// instead of eight a layer (see layers/call_list.py and LlamaModel.layer_calls).
 //
 // Each row of `calls` (n rows of `stride` 64-bit words) is a function taking its arguments as
 // 64-bit words (the kernels' *_packed entry points), followed by those arguments.

@@ -28,6 +28,7 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -49,11 +50,11 @@ constexpr int kValueExtra = 0;
 template <>
 constexpr int kValueExtra<int8_t> = 4;
 
-// A head's D values to int8 codes (code = round(x / scale), scale = max|x| / 127), code i at
-// dst[i * stride]; returns the scale: NaN if x holds a NaN or an infinity (a value then makes its
+// A head's D values to int8 codes in dst (code = round(x / scale), scale = max|x| / 127); returns
+// the scale: NaN if x holds a NaN or an infinity (a value then makes its
 // rows' outputs NaN; a key's NaN score gets a weight of about e^-87, as with a float cache), and
 // codes 0 for x all zero or too small for 127 / max|x| to be finite.
-inline float quantize_head(const float* x, int8_t* dst, int D, int64_t stride) {
+inline float quantize_head(const float* x, int8_t* dst, int D) {
   __m512 amax = _mm512_setzero_ps();
   __mmask16 bad = 0;  // lanes that met a NaN or an infinity
   for (int i = 0; i < D; i += 16) {
@@ -65,11 +66,9 @@ inline float quantize_head(const float* x, int8_t* dst, int D, int64_t stride) {
   const float r = m > 0.f && !bad ? 127.f / m : 0.f;
   const __m512 inv = _mm512_set1_ps(std::isfinite(r) ? r : 0.f);
   for (int i = 0; i < D; i += 16) {  // |x * inv| <= 127: round to nearest even, then narrow
-    alignas(16) int8_t codes[16];
     const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv),
                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_store_si128((__m128i*)codes, _mm512_cvtsepi32_epi8(q));
-    for (int j = 0; j < 16; ++j) dst[(i + j) * stride] = codes[j];
+    _mm_storeu_si128((__m128i*)(dst + i), _mm512_cvtsepi32_epi8(q));
   }
   return bad ? NAN : m / 127.f;
 }
@@ -106,7 +105,7 @@ void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const in
         alignas(64) float x[kMaxD];
         alignas(64) int8_t codes[kMaxD];
         rotate_head(src + (H + h) * D, c, s, x, D);
-        const float k_scale = quantize_head(x, codes, D, 1);
+        const float k_scale = quantize_head(x, codes, D);
         int32_t sum = 0;
         for (int e = 0; e < D / 4; ++e) {  // dimensions 4e..4e+3 of this key
           memcpy(kh + ((int64_t)e * page_size + offset) * 4, codes + 4 * e, 4);
@@ -115,7 +114,7 @@ void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const in
         ((float*)(kh + D * page_size))[offset] = k_scale;
         ((int32_t*)(kh + D * page_size + 4 * page_size))[offset] = sum;
         for (int i = 0; i < D; ++i) x[i] = to_f32(v[i]);
-        const float v_scale = quantize_head(x, vh, D, 1);
+        const float v_scale = quantize_head(x, vh, D);
         memcpy(vh + D, &v_scale, sizeof(float));
       } else {
         rotate_head(src + (H + h) * D, c, s, kh + offset, D, page_size);
@@ -159,7 +158,7 @@ inline void block_scores(const float* const* qr, int DV, float scale, KeyDim key
 // word (vpdpbusd multiplies unsigned bytes with signed ones); returns its scale.
 inline float query_words(const float* q, uint32_t* words, int D) {
   alignas(64) int8_t codes[kMaxD];
-  const float scale = quantize_head(q, codes, D, 1);
+  const float scale = quantize_head(q, codes, D);
   for (int i = 0; i < D; ++i) ((uint8_t*)words)[i] = (uint8_t)(codes[i] + 128);
   return scale;
 }
@@ -231,8 +230,8 @@ void prefetch_blocks(const Cache* kc, const Cache* vc, const int32_t* pages, int
   for (int b = 0; b < blocks && start + 16 * b < n_keys; ++b) {
     const int64_t page_id = pages[(start + 16 * b) / page_size];
     const int offset = (start + 16 * b) % page_size;
-    // The block's keys are D runs of 16, page_size apart: one line holds one run, or several
-    // when pages hold 16 keys. An int8 cache's 16 scales follow the page's D rows.
+    // A float cache's block of keys is D runs of 16, page_size apart: one line holds one run, or
+    // several when pages hold 16 keys.
     const Cache* kh = kc + (page_id * KVH + kvh) * (D + kKeyExtra<Cache>) * page_size;
     if constexpr (kKeyExtra<Cache> > 0) {  // rows of 4 * page_size bytes: D / 4 of codes, scales, sums
       for (int e = 0; e < D / 4 + 2; ++e) {
@@ -248,6 +247,18 @@ void prefetch_blocks(const Cache* kc, const Cache* vc, const int32_t* pages, int
     for (int j = 0; j < 16; ++j)
       for (int x = 0; x < DVE * (int)sizeof(Cache); x += 64)
         prefetch_l2((const char*)(v + (int64_t)j * KVH * DVE) + x);
+  }
+}
+
+// fn(std::integral_constant<int, R>{}) for R rows, 1 to 4: a row count known at compile time, so
+// the score functions keep no repeated row (a 3-head group's 4th would cost a quarter of the work).
+template <typename Fn>
+inline void with_rows(int R, Fn fn) {
+  switch (R) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{});
   }
 }
 
@@ -365,7 +376,8 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
 
 // The same for at most 4 rows (a decoded token's query heads of this KV head) when pages hold a
 // multiple of 16 keys (a block is then one page run): keys and values are read straight from the
-// cache, widened as they are used, and the work goes in chunks of kChunk blocks: every block's
+// cache (widened as they are used; an int8 cache's keys as codes), and the work goes in chunks of
+// kChunk blocks: every block's
 // scores first (independent of each other, so several pages' loads are in flight at once), then
 // each row's softmax updates block after block, then the weighted values with keys outer and
 // rows inner, so a value vector is loaded and widened once for all rows. 10-20% faster than
@@ -423,20 +435,12 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
         const float* ks = (const float*)(rows + (int64_t)(D / 4) * page_size);
         const int32_t* sums = (const int32_t*)(rows + (int64_t)(D / 4 + 1) * page_size);
         auto key_quad = [&](int e) { return _mm512_loadu_si512(rows + (int64_t)e * page_size); };
-        switch (R) {
-          case 1: block_scores_q8<1>(qwr, q_scales, D, scale, ks, sums, key_quad, pj[b], R); break;
-          case 2: block_scores_q8<2>(qwr, q_scales, D, scale, ks, sums, key_quad, pj[b], R); break;
-          case 3: block_scores_q8<3>(qwr, q_scales, D, scale, ks, sums, key_quad, pj[b], R); break;
-          default: block_scores_q8<4>(qwr, q_scales, D, scale, ks, sums, key_quad, pj[b], R);
-        }
+        with_rows(R, [&](auto rows) {
+          block_scores_q8<rows>(qwr, q_scales, D, scale, ks, sums, key_quad, pj[b], R);
+        });
       } else {
         auto key_dim = [&](int d) { return load16(kh + (int64_t)d * page_size + offset); };
-        switch (R) {  // no repeated row (the 4th of a 3-head group costs a quarter of the FMAs)
-          case 1: block_scores<1>(qr, DV, scale, key_dim, pj[b], R); break;
-          case 2: block_scores<2>(qr, DV, scale, key_dim, pj[b], R); break;
-          case 3: block_scores<3>(qr, DV, scale, key_dim, pj[b], R); break;
-          default: block_scores<4>(qr, DV, scale, key_dim, pj[b], R);
-        }
+        with_rows(R, [&](auto rows) { block_scores<rows>(qr, DV, scale, key_dim, pj[b], R); });
       }
     }
     for (int b = 0; b < nb; ++b)
@@ -503,8 +507,7 @@ void attention(const float* q, const Cache* kc, const Cache* vc, const int32_t* 
   // Rows are independent, so how they are grouped or spread over threads cannot change them.
   // With enough groups a thread takes all KV heads of one: it then reads each page's keys and
   // values whole (decode over 16 streams: 3-17% faster than a head per thread, measured in
-  // alternating runs); with few
-  // (one decode stream) the heads are spread over the threads instead.
+  // alternating runs); with few (one decode stream) the heads are spread over the threads.
   if (groups >= 2 * omp_get_max_threads()) {
 #pragma omp parallel for schedule(dynamic, 1)
     for (int i = 0; i < groups; ++i)
