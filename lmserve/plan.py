@@ -111,7 +111,8 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     util = config.gpu_memory_utilization or DEFAULT_MEMORY_UTILIZATION
     budget = int(util * device)
     weights = weight_bytes(args, opt.weight_dtype, opt.act_dtype)
-    kv_dtype = resolve_kv_dtype(opt.kv_dtype, AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim))
+    kv_dtype = resolve_kv_dtype(opt.kv_dtype, AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim),
+                                config.kv_cache_page_size)
     kv_per_token = args.num_layers * args.num_kv_heads * kv_bytes_per_head(args.head_dim, kv_dtype)
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
     context = args.context_length

@@ -167,9 +167,10 @@ def test_kernel_rows_do_not_depend_on_batch_company(cache, hd, page, heads, monk
 @pytest.mark.parametrize("hd", [16, 64, 128])
 def test_int8_cache_stays_close_to_float32(hd, page, monkeypatch):
     """An int8 cache (codes with a scale per token and head; keys and the query multiplied as
-    int8 codes) against a float32 one on the same steps, prefill then decode: outputs of size
-    about 3 agree within 5e-2, and the stored codes decode to the keys and values within half a
-    step of max|x| / 127, the keys' code sums stored beside them."""
+    int8 codes, the softmax weights as bytes against the value codes) against a float32 one on
+    the same steps, prefill then decode: outputs of size about 3 agree within 5e-2, and the
+    stored codes decode to the keys and values within half a step of max|x| / 127, the keys'
+    code sums stored beside them."""
     monkeypatch.setattr(sys.modules[__name__], "PAGE", page)
     torch.manual_seed(3)
     rotary = RotaryEmbedding(hd, 64, 10000.0)
@@ -195,6 +196,9 @@ def test_int8_cache_stays_close_to_float32(hd, page, monkeypatch):
         assert torch.equal(sums, codes.sum(1, dtype=torch.int32))
         key = codes.float() * scale[:, None]
         assert (key - k32[pg, :, :, off]).abs().max() <= k32[pg, :, :, off].abs().max() / 254 + 1e-6
-        v_scale = v8[slot, :, hd:].contiguous().view(torch.float32)  # (KVH, 1)
-        value = v8[slot, :, :hd].float() * v_scale
+        # values: rows of hd words per 4 keys (a word holds the 4 keys' codes of one dimension), scales
+        flat = v8[pg].reshape(KVH, (hd + 4) * page)
+        v_codes = flat[:, : hd * page].reshape(KVH, page // 4, hd, 4)[:, off // 4, :, off % 4]
+        v_scale = flat[:, hd * page :].contiguous().view(torch.float32)[:, off]
+        value = v_codes.float() * v_scale[:, None]
         assert (value - v32[slot]).abs().max() <= v32[slot].abs().max() / 254 + 1e-6

@@ -91,6 +91,8 @@ def test_kv_cache_transposed_keys_hold_each_pages_keys_by_dimension():
 def test_int8_kv_cache_keeps_scales_after_each_heads_codes():
     kv = KVCache(num_layers=1, num_pages=8, page_size=16, num_kv_heads=2, head_dim=32,
                  dtype=torch.int8, keys_transposed=True)
-    assert kv.k[0].shape == (8, 2, 32 + 8, 16) and kv.v[0].shape == (8 * 16, 2, 32 + 4)
+    assert kv.k[0].shape == (8, 2, 32 + 8, 16) and kv.v[0].shape == (8, 2, 32 + 4, 16)
     with pytest.raises(ValueError, match="keys transposed"):
         KVCache(1, 8, 16, 2, 32, dtype=torch.int8)
+    with pytest.raises(ValueError, match="multiple of 4 tokens, got kv_cache_page_size=2"):
+        KVCache(1, 8, 2, 2, 32, dtype=torch.int8, keys_transposed=True)

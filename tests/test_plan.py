@@ -110,6 +110,15 @@ def test_int8_kv_falls_back_to_bfloat16_where_the_kernel_cannot_serve(monkeypatc
     assert plan.kv_dtype == "bfloat16" and plan.memory.kv_per_token == 2 * 2 * 2 * 16 * 2
 
 
+def test_int8_kv_falls_back_to_bfloat16_on_pages_of_fewer_than_4_tokens(monkeypatch):
+    from lmserve.attention import cpu_paged
+
+    monkeypatch.setattr(cpu_paged, "why_unsupported", lambda shape, dtype: None)  # the kernel serves
+    kv_dtype = {page: make_plan(EngineConfig(opt="O3", kv_cache_page_size=page), _args(),
+                                device_memory=16 * GiB).kv_dtype for page in (2, 4)}
+    assert kv_dtype == {2: "bfloat16", 4: "int8"}  # values go 4 tokens to a word
+
+
 def test_int8_kv_needs_vnni_but_bf16_kv_does_not(monkeypatch):
     from lmserve.attention import cpu_paged
     from lmserve.attention.base import AttentionShape

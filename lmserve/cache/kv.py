@@ -24,6 +24,10 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
 
 
+# An int8 cache's values are stored 4 tokens to a word (see KVCache), so its pages hold a
+# multiple of 4 tokens.
+INT8_PAGE_MULTIPLE = 4
+
 # dtype of the KV cache by its opt name (int8: codes with a scale per token and head)
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "int8": torch.int8}
@@ -53,11 +57,13 @@ class KVCache:
     ``head_dim`` rows of ``page_size``, so one dimension of consecutive keys is contiguous.
 
     An int8 cache (the C++ kernel's only) holds codes and their float32 scales (value = code *
-    scale, one scale per token and head) in the same buffers: ``v`` is ``(slots, num_kv_heads,
-    head_dim + 4)``, each slot's codes then its scale; ``k`` is ``(num_pages, num_kv_heads,
-    head_dim + 8, page_size)`` bytes, per page and head rows of ``4 * page_size`` bytes: for each
-    4 dimensions the page's keys' codes for them, then the keys' scales, then the int32 sums of
-    their codes (the kernel's integer dot products read keys this way).
+    scale, one scale per token and head) in the same buffers, both per page and head, laid out for
+    the kernel's integer dot products: ``k`` is ``(num_pages, num_kv_heads, head_dim + 8,
+    page_size)`` bytes, rows of ``4 * page_size`` bytes: for each 4 dimensions the page's keys'
+    codes for them, then the keys' scales, then the int32 sums of their codes; ``v`` is
+    ``(num_pages, num_kv_heads, head_dim + 4, page_size)`` bytes: for each 4 keys a row of
+    ``head_dim`` words (word d holds the 4 keys' codes of dimension d), then the values' scales.
+    Its pages hold a multiple of 4 tokens.
     """
 
     def __init__(
@@ -74,8 +80,12 @@ class KVCache:
         self.page_size = page_size
         if dtype == torch.int8 and not keys_transposed:
             raise ValueError("an int8 KV cache needs the C++ kernel's layout (keys transposed)")
+        if dtype == torch.int8 and page_size % INT8_PAGE_MULTIPLE:
+            raise ValueError(f"an int8 KV cache needs pages of a multiple of {INT8_PAGE_MULTIPLE} "
+                             f"tokens, got kv_cache_page_size={page_size}")
         k_dim, v_dim = head_sizes(head_dim, dtype)
-        shape = (num_pages * page_size, num_kv_heads, v_dim)
-        k_shape = (num_pages, num_kv_heads, k_dim, page_size) if keys_transposed else shape
+        by_slot = (num_pages * page_size, num_kv_heads, v_dim)
+        k_shape = (num_pages, num_kv_heads, k_dim, page_size) if keys_transposed else by_slot
+        v_shape = (num_pages, num_kv_heads, v_dim, page_size) if dtype == torch.int8 else by_slot
         self.k = [zeros_on_demand(k_shape, dtype, device) for _ in range(num_layers)]
-        self.v = [zeros_on_demand(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [zeros_on_demand(v_shape, dtype, device) for _ in range(num_layers)]

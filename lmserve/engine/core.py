@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from lmserve.attention import cpu_paged, resolve_attention
+from lmserve.attention import resolve_attention, why_no_int8_kv
 from lmserve.attention.base import AttentionShape, create_backend
 from lmserve.attention.cpu_paged import CpuPagedBackend
 from lmserve.cache.kv import KV_DTYPES, KVCache
@@ -68,9 +68,8 @@ class EngineCore:
         a, plan = self.args, self.plan
         shape = AttentionShape(a.num_heads, a.num_kv_heads, a.head_dim)
         if plan.kv_dtype != opt.kv_dtype:  # int8 KV, which only the C++ kernel reads
-            logger.warning("kv_dtype=%s needs the C++ attention kernel, unavailable here (%s); "
-                           "using a %s KV cache", opt.kv_dtype,
-                           cpu_paged.why_unsupported(shape, torch.int8), plan.kv_dtype)
+            logger.warning("kv_dtype=%s is unavailable here (%s); using a %s KV cache", opt.kv_dtype,
+                           why_no_int8_kv(shape, plan.page_size), plan.kv_dtype)
         kv_dtype = KV_DTYPES[plan.kv_dtype]
         backend = create_backend(resolve_attention(opt.attention, shape, kv_dtype), shape)
         kv = KVCache(a.num_layers, plan.num_pages, plan.page_size, a.num_kv_heads, a.head_dim,

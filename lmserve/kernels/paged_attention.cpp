@@ -15,10 +15,12 @@
 //   k cache    (num_pages, KVH, D, page_size)  bf16 or fp32: each page's keys transposed per KV
 //                                    head, so 16 keys' values of one dimension are contiguous
 //   v cache    (num_slots, KVH, D)    bf16 or fp32; slot = page * page_size + offset
-//   int8 caches: k (num_pages, KVH, D + 8, page_size) bytes, per page and head rows of 4 *
-//              page_size bytes: D/4 rows of each key's codes for 4 dimensions in turn, then the
-//              keys' float scales, then the sums of their codes; v (num_slots, KVH, D + 4): each
-//              value's codes, then its float scale (value = code * scale, per token and head)
+//   int8 caches (value = code * scale, a float32 scale per token and head), page_size a
+//              multiple of 4, both (num_pages, KVH, D + extra, page_size) bytes:
+//              k: per page and head rows of 4 * page_size bytes: D/4 rows of each key's codes
+//                 for 4 dimensions in turn, then the keys' float scales, then the sums of their codes
+//              v: per page and head page_size/4 rows of D words, one row per 4 keys (word d holds
+//                 the 4 keys' codes of dimension d), then the values' float scales (extra = 4)
 //   page_off   (T,)                   int64 index into `pages` where the token's page list starts
 //   ctx        (T,)                   int32 keys the token sees (its position + 1)
 //   out        (T, H, D)              bf16 or fp32
@@ -39,8 +41,7 @@ using namespace lm;
 constexpr int kMaxD = 256;      // head_dim limit (multiple of 16)
 
 // Cache elements after a head's D that an int8 cache adds (other caches hold the values
-// themselves): a key's float scale and int32 code sum (rows of page_size elements), a value's
-// float scale.
+// themselves): a key's float scale and int32 code sum, a value's float scale (rows of page_size).
 template <typename Cache>
 constexpr int kKeyExtra = 0;
 template <>
@@ -99,7 +100,6 @@ void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const in
     const int64_t page = slots[t] / page_size, offset = slots[t] % page_size;
     for (int h = 0; h < KVH; ++h) {
       Cache* kh = kc + (page * KVH + h) * (D + kKeyExtra<Cache>) * page_size;
-      Cache* vh = vc + (slots[t] * KVH + h) * (D + kValueExtra<Cache>);
       const QKV* v = src + (H + KVH + h) * D;
       if constexpr (kKeyExtra<Cache> > 0) {
         alignas(64) float x[kMaxD];
@@ -114,10 +114,19 @@ void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const in
         ((float*)(kh + D * page_size))[offset] = k_scale;
         ((int32_t*)(kh + D * page_size + 4 * page_size))[offset] = sum;
         for (int i = 0; i < D; ++i) x[i] = to_f32(v[i]);
-        const float v_scale = quantize_head(x, vh, D);
-        memcpy(vh + D, &v_scale, sizeof(float));
+        Cache* vh = vc + (page * KVH + h) * (D + kValueExtra<Cache>) * page_size;
+        const float v_scale = quantize_head(x, codes, D);
+        // This key's byte (offset % 4) of each word of its row: 16 dimensions a masked store.
+        Cache* row = vh + (offset / 4) * 4 * D;
+        const __mmask64 byte = 0x1111111111111111ull << (offset % 4);
+        for (int i = 0; i < D; i += 16) {
+          const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + i)));
+          _mm512_mask_storeu_epi8(row + 4 * i, byte, _mm512_slli_epi32(c, 8 * (offset % 4)));
+        }
+        ((float*)(vh + D * page_size))[offset] = v_scale;
       } else {
         rotate_head(src + (H + h) * D, c, s, kh + offset, D, page_size);
+        Cache* vh = vc + (slots[t] * KVH + h) * D;
         for (int i = 0; i < D; ++i) store_elem(vh + i, to_f32(v[i]));
       }
     }
@@ -203,10 +212,68 @@ inline float softmax_update(float* s, int n, float& m, float& l) {
   return alpha;
 }
 
-// With an int8 cache a row's weights are multiplied by their keys' value scales (16, zero past
-// the block's end) before they weight the value codes; l keeps the plain weights.
-inline void scale_weights(float* p, const float* value_scales) {
-  _mm512_store_ps(p, _mm512_mul_ps(_mm512_load_ps(p), _mm512_load_ps(value_scales)));
+// With an int8 cache a row's weights (its first n live) are multiplied by their keys' value
+// scales before they weight the value codes, the rest set to 0 (a later key's NaN scale must not
+// reach the row); l keeps the plain weights.
+inline void scale_weights(float* p, int n, const float* value_scales) {
+  const __mmask16 live = (__mmask16)((1u << n) - 1);
+  _mm512_store_ps(p, _mm512_maskz_mul_ps(live, _mm512_load_ps(p), _mm512_load_ps(value_scales)));
+}
+
+// A row's weights of one block on an int8 cache (scale_weights done; zero past its keys) as
+// 16-bit codes in 65535ths of the largest, for vpdpbusd (unsigned bytes) against the value codes:
+// words[g] holds the high bytes of keys 4g..4g+3, words[4 + g] their low bytes. (One byte in
+// 255ths rounded the small weights of long contexts coarsely: +0.3% perplexity at O3.) Returns
+// the weight of one step: NaN if a weight is (a NaN value scale), so the row's output is; 0,
+// with codes 0, if every weight is 0 or too small for 65535 / max to be finite.
+inline float weight_words(const float* p, uint32_t* words) {
+  const __m512 w = _mm512_load_ps(p);
+  const bool nan = _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
+  const float w_max = _mm512_reduce_max_ps(w);
+  const float r = !nan && w_max > 0.f ? 65535.f / w_max : 0.f;
+  const __m512i codes = _mm512_cvt_roundps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(std::isfinite(r) ? r : 0.f)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i c = _mm512_min_epu32(codes, _mm512_set1_epi32(65535));  // w <= w_max: a no-op
+  _mm_storeu_si128((__m128i*)words, _mm512_cvtepi32_epi8(_mm512_srli_epi32(c, 8)));
+  _mm_storeu_si128((__m128i*)(words + 4), _mm512_cvtepi32_epi8(c));
+  return nan ? NAN : w_max / 65535.f;
+}
+
+// A row's weighted values over one block on an int8 cache: acc[16 d ..] = acc * alpha + (the
+// exact integer sums of the weight words times the value quads) * step, for the DV vectors of 16
+// dimensions from d0 (dots[d] holds the integer sums of vector d0 + d).
+inline void add_value_dots(float* acc, float alpha, float step, const __m512i* dots, int d0, int dn) {
+  for (int d = 0; d < dn; ++d) {
+    float* a = acc + 16 * (d0 + d);
+    _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[d]), _mm512_set1_ps(step),
+                                       _mm512_mul_ps(_mm512_load_ps(a), _mm512_set1_ps(alpha))));
+  }
+}
+
+// Exact integer sums, for up to 4 rows (those live) over one block on an int8 cache, of the
+// rows' weight codes (weight_words) times the value codes: dots[r][d] for the dn <= 4 vectors of
+// 16 dimensions from d0. value_row(g) points at the D words of keys 4g..4g+3; only the first
+// `quads` are read (the rows' weights past them are 0). A value vector is loaded once for all
+// rows, whose 4 x dn accumulators are independent chains.
+template <typename ValueRow>
+inline void value_dots(const uint32_t (*w)[8], const bool* live, int quads, ValueRow value_row,
+                       int d0, int dn, __m512i (*dots)[4]) {
+  for (int r = 0; r < 4; ++r)
+    for (int d = 0; d < dn; ++d) dots[r][d] = _mm512_setzero_si512();
+  for (int byte = 0; byte < 2; ++byte) {  // high bytes, times 256, then low bytes
+    for (int r = 0; r < 4; ++r)
+      for (int d = 0; d < dn; ++d) dots[r][d] = _mm512_slli_epi32(dots[r][d], 8);
+    for (int g = 0; g < quads; ++g) {
+      __m512i v[4];
+      for (int d = 0; d < dn; ++d) v[d] = _mm512_loadu_si512(value_row(g) + 16 * (d0 + d));
+      // Rows loop to 4 (guarded) so that the compiler unrolls them: dots stays in registers.
+      for (int r = 0; r < 4; ++r) {
+        if (!live[r]) continue;
+        const __m512i p = _mm512_set1_epi32((int)w[r][4 * byte + g]);
+        for (int d = 0; d < dn; ++d) dots[r][d] = _mm512_dpbusd_epi32(dots[r][d], p, v[d]);
+      }
+    }
+  }
 }
 
 // A row's output: its weighted values over the softmax sum.
@@ -242,11 +309,16 @@ void prefetch_blocks(const Cache* kc, const Cache* vc, const int32_t* pages, int
       const int dims_a_line = std::max(1, 64 / (page_size * (int)sizeof(Cache)));
       for (int d = 0; d < D; d += dims_a_line) prefetch_l2(kh + (int64_t)d * page_size + offset);
     }
-    const int DVE = D + kValueExtra<Cache>;
-    const Cache* v = vc + ((page_id * page_size + offset) * KVH + kvh) * DVE;
-    for (int j = 0; j < 16; ++j)
-      for (int x = 0; x < DVE * (int)sizeof(Cache); x += 64)
-        prefetch_l2((const char*)(v + (int64_t)j * KVH * DVE) + x);
+    if constexpr (kValueExtra<Cache> > 0) {  // the block's 4 rows of D words, its 16 scales
+      const Cache* vh = vc + (page_id * KVH + kvh) * (D + kValueExtra<Cache>) * page_size;
+      for (int x = 0; x < 16 * D; x += 64) prefetch_l2(vh + (int64_t)offset * D + x);
+      prefetch_l2(vh + (int64_t)D * page_size + 4 * offset);
+    } else {
+      const Cache* v = vc + ((page_id * page_size + offset) * KVH + kvh) * D;
+      for (int j = 0; j < 16; ++j)
+        for (int x = 0; x < D * (int)sizeof(Cache); x += 64)
+          prefetch_l2((const char*)(v + (int64_t)j * KVH * D) + x);
+    }
   }
 }
 
@@ -275,16 +347,18 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   const int R = tokens * G;
   float m[kMaxRows], l[kMaxRows];
   alignas(64) float acc[kMaxRows][kMaxD];
-  alignas(64) float kt[kMaxD][16], vf[16][kMaxD];  // a block's keys transposed, its values
-  // With an int8 cache: the keys' codes as vpdpbusd reads them, their scales and code sums, the
-  // values' scales, and the rows' quantized queries.
   constexpr bool kInt8 = kKeyExtra<Cache> > 0;
-  alignas(64) uint32_t kq[kMaxD / 4][16];
+  // A block's keys transposed and its values, or with an int8 cache the keys' codes and the
+  // values' rows of words as vpdpbusd reads them, their scales, the keys' code sums, and the
+  // rows' quantized queries.
+  alignas(64) float kt[kInt8 ? 1 : kMaxD][16], vf[kInt8 ? 1 : 16][kMaxD];
+  alignas(64) uint32_t kq[kMaxD / 4][16], vq[4][kMaxD];
   alignas(64) float k_scales[16], v_scales[16];
   alignas(64) int32_t k_sums[16];
   alignas(64) uint32_t qw[kInt8 ? kMaxRows : 1][kMaxD / 4];
   float q_scales[kMaxRows];
-  const int64_t k_head = (int64_t)(D + kKeyExtra<Cache>) * page_size, v_head = D + kValueExtra<Cache>;
+  const int64_t k_head = (int64_t)(D + kKeyExtra<Cache>) * page_size;
+  const int64_t v_head = (int64_t)(D + kValueExtra<Cache>) * page_size;  // an int8 cache's
   for (int r = 0; r < R; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.f;
@@ -314,10 +388,16 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
         for (int d = 0; d < D; ++d)
           _mm512_mask_storeu_ps(kt[d] + j, lanes, load16_masked(kh + (int64_t)d * page_size + offset, lanes));
       }
-      for (int i = 0; i < run; ++i) {
-        const Cache* v = vc + ((page_id * page_size + offset + i) * KVH + kvh) * v_head;
-        for (int d = 0; d < DV; ++d) _mm512_store_ps(vf[j + i] + 16 * d, load16(v + 16 * d));
-        if constexpr (kInt8) memcpy(v_scales + j + i, v + D, sizeof(float));
+      if constexpr (kInt8) {  // rows of D words (one per 4 keys: a run holds whole rows), scales
+        const Cache* vh = vc + (page_id * KVH + kvh) * v_head;
+        for (int g = 0; g < (run + 3) / 4; ++g)
+          memcpy(vq[j / 4 + g], vh + (int64_t)(offset + 4 * g) * D, sizeof(uint32_t) * D);
+        memcpy(v_scales + j, vh + (int64_t)D * page_size + 4 * offset, sizeof(float) * run);
+      } else {
+        for (int i = 0; i < run; ++i) {
+          const Cache* v = vc + ((page_id * page_size + offset + i) * KVH + kvh) * D;
+          for (int d = 0; d < DV; ++d) _mm512_store_ps(vf[j + i] + 16 * d, load16(v + 16 * d));
+        }
       }
       j += run;
       offset += run;
@@ -328,6 +408,7 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
       if constexpr (kInt8) {
         for (int e = 0; e < D / 4; ++e) _mm512_mask_storeu_epi32(kq[e], past, _mm512_setzero_si512());
         for (int j = n; j < 16; ++j) k_scales[j] = v_scales[j] = 0.f, k_sums[j] = 0;
+        for (int g = (n + 3) / 4; g < 4; ++g) memset(vq[g], 0, sizeof(uint32_t) * D);
       } else {
         for (int d = 0; d < D; ++d) _mm512_mask_storeu_ps(kt[d], past, _mm512_setzero_ps());
       }
@@ -355,8 +436,24 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
     for (int r = 0; r < R; ++r)
       if (n_row[r] > 0) {
         alpha[r] = softmax_update(pj[r], n_row[r], m[r], l[r]);
-        if constexpr (kInt8) scale_weights(pj[r], v_scales);
+        if constexpr (kInt8) scale_weights(pj[r], n_row[r], v_scales);
       }
+    if constexpr (kInt8) {  // exact integer sums, 4 rows at a time
+      alignas(64) uint32_t w[kMaxRows][8];
+      float step[kMaxRows];
+      bool live[kMaxRows + 3] = {};
+      for (int r = 0; r < R; ++r)
+        if ((live[r] = n_row[r] > 0)) step[r] = weight_words(pj[r], w[r]);
+      for (int r0 = 0; r0 < R; r0 += 4)
+        for (int d0 = 0; d0 < DV; d0 += 4) {
+          const int dn = std::min(4, DV - d0);
+          __m512i dots[4][4];
+          value_dots(w + r0, live + r0, 4, [&](int g) { return vq[g]; }, d0, dn, dots);
+          for (int r = r0; r < std::min(R, r0 + 4); ++r)
+            if (live[r]) add_value_dots(acc[r], alpha[r], step[r], dots[r - r0], d0, dn);
+        }
+      continue;
+    }
     // Keys outer, head-dim chunks inner: the DV accumulators are independent FMA chains that
     // overlap (one chain per chunk would wait on the FMA latency at every key).
     for (int r = 0; r < R; ++r) {
@@ -410,7 +507,8 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
   }
   const int n_keys = ctx[tokens - 1];
   const int64_t k_head = (int64_t)(D + kKeyExtra<Cache>) * page_size;
-  const int64_t v_stride = (int64_t)KVH * (D + kValueExtra<Cache>);  // between slots' values
+  const int64_t v_head = (int64_t)(D + kValueExtra<Cache>) * page_size;  // an int8 cache's
+  const int64_t v_stride = (int64_t)KVH * D;  // between slots' values in a float cache
   prefetch_blocks(kc, vc, pages, 0, kChunk, n_keys, kvh, KVH, D, page_size);
   for (int c0 = 0; c0 < n_keys; c0 += 16 * kChunk) {
     prefetch_blocks(kc, vc, pages, c0 + 16 * kChunk, kChunk, n_keys, kvh, KVH, D, page_size);
@@ -425,12 +523,13 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
       const int64_t page_id = pages[start / page_size];
       const int offset = start % page_size;
       const Cache* kh = kc + (page_id * KVH + kvh) * k_head;
-      vb[b] = vc + ((page_id * page_size + offset) * KVH + kvh) * (D + kValueExtra<Cache>);
       for (int r = 0; r < R; ++r) n_row[b][r] = std::min(16, row_ctx[r] - start);
       // The last block's keys past the end (stale or zero) are masked out of the softmax.
       if constexpr (kInt8) {
+        const Cache* vh = vc + (page_id * KVH + kvh) * v_head;
+        vb[b] = vh + (int64_t)offset * D;  // 4 rows of D words
         for (int j = 0; j < 16; ++j) v_scales[b][j] = 0.f;
-        for (int j = 0; j < std::min(16, n_keys - start); ++j) memcpy(v_scales[b] + j, vb[b] + j * v_stride + D, sizeof(float));
+        memcpy(v_scales[b], vh + (int64_t)D * page_size + 4 * offset, sizeof(float) * std::min(16, n_keys - start));
         const uint32_t* rows = (const uint32_t*)kh + offset;  // codes by 4 dimensions, scales, sums
         const float* ks = (const float*)(rows + (int64_t)(D / 4) * page_size);
         const int32_t* sums = (const int32_t*)(rows + (int64_t)(D / 4 + 1) * page_size);
@@ -439,6 +538,7 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
           block_scores_q8<rows>(qwr, q_scales, D, scale, ks, sums, key_quad, pj[b], R);
         });
       } else {
+        vb[b] = vc + ((page_id * page_size + offset) * KVH + kvh) * D;
         auto key_dim = [&](int d) { return load16(kh + (int64_t)d * page_size + offset); };
         with_rows(R, [&](auto rows) { block_scores<rows>(qr, DV, scale, key_dim, pj[b], R); });
       }
@@ -447,8 +547,32 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
       for (int r = 0; r < R; ++r)
         if (n_row[b][r] > 0) {
           alpha[b][r] = softmax_update(pj[b][r], n_row[b][r], m[r], l[r]);
-          if constexpr (kInt8) scale_weights(pj[b][r], v_scales[b]);
+          if constexpr (kInt8) scale_weights(pj[b][r], n_row[b][r], v_scales[b]);
         }
+    if constexpr (kInt8) {  // each row's weights as words of 4 keys against the value rows
+      alignas(64) uint32_t w[kChunk][4][8];
+      float step[kChunk][4];
+      bool live[kChunk][4];
+      int quads[kChunk];
+      for (int b = 0; b < nb; ++b) {
+        int n_max = 0;
+        for (int r = 0; r < 4; ++r) {
+          live[b][r] = r < R && n_row[b][r] > 0;
+          if (live[b][r]) step[b][r] = weight_words(pj[b][r], w[b][r]), n_max = std::max(n_max, n_row[b][r]);
+        }
+        quads[b] = (n_max + 3) / 4;  // words past every row's keys are 0
+      }
+      for (int d0 = 0; d0 < DV; d0 += 4)  // 64 dimensions at a time: 16 integer accumulators
+        for (int b = 0; b < nb; ++b) {
+          const int dn = std::min(4, DV - d0);
+          __m512i dots[4][4];
+          const uint32_t* rows = (const uint32_t*)vb[b];
+          value_dots(w[b], live[b], quads[b], [&](int g) { return rows + (int64_t)g * D; }, d0, dn, dots);
+          for (int r = 0; r < R; ++r)
+            if (live[b][r]) add_value_dots(acc[r], alpha[b][r], step[b][r], dots[r], d0, dn);
+        }
+      continue;
+    }
     for (int d0 = 0; d0 < DV; d0 += 4) {  // 64 dimensions at a time: 16 accumulators
       const int dn = std::min(4, DV - d0);
       for (int b = 0; b < nb; ++b) {
