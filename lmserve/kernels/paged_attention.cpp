@@ -452,20 +452,20 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
           for (int r = r0; r < std::min(R, r0 + 4); ++r)
             if (live[r]) add_value_dots(acc[r], alpha[r], step[r], dots[r - r0], d0, dn);
         }
-      continue;
-    }
-    // Keys outer, head-dim chunks inner: the DV accumulators are independent FMA chains that
-    // overlap (one chain per chunk would wait on the FMA latency at every key).
-    for (int r = 0; r < R; ++r) {
-      if (n_row[r] <= 0) continue;
-      __m512 a[kMaxD / 16];
-      for (int d = 0; d < DV; ++d)
-        a[d] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * d), _mm512_set1_ps(alpha[r]));
-      for (int j = 0; j < n_row[r]; ++j) {
-        const __m512 p = _mm512_set1_ps(pj[r][j]);
-        for (int d = 0; d < DV; ++d) a[d] = _mm512_fmadd_ps(p, _mm512_load_ps(vf[j] + 16 * d), a[d]);
+    } else {
+      // Keys outer, head-dim chunks inner: the DV accumulators are independent FMA chains that
+      // overlap (one chain per chunk would wait on the FMA latency at every key).
+      for (int r = 0; r < R; ++r) {
+        if (n_row[r] <= 0) continue;
+        __m512 a[kMaxD / 16];
+        for (int d = 0; d < DV; ++d)
+          a[d] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * d), _mm512_set1_ps(alpha[r]));
+        for (int j = 0; j < n_row[r]; ++j) {
+          const __m512 p = _mm512_set1_ps(pj[r][j]);
+          for (int d = 0; d < DV; ++d) a[d] = _mm512_fmadd_ps(p, _mm512_load_ps(vf[j] + 16 * d), a[d]);
+        }
+        for (int d = 0; d < DV; ++d) _mm512_store_ps(acc[r] + 16 * d, a[d]);
       }
-      for (int d = 0; d < DV; ++d) _mm512_store_ps(acc[r] + 16 * d, a[d]);
     }
   }
   for (int r = 0; r < R; ++r) store_row(acc[r], l[r], out + row_at(r, G, H, D), D);
@@ -571,32 +571,32 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
           for (int r = 0; r < R; ++r)
             if (live[b][r]) add_value_dots(acc[r], alpha[b][r], step[b][r], dots[r], d0, dn);
         }
-      continue;
-    }
-    for (int d0 = 0; d0 < DV; d0 += 4) {  // 64 dimensions at a time: 16 accumulators
-      const int dn = std::min(4, DV - d0);
-      for (int b = 0; b < nb; ++b) {
-        __m512 a[4][4];
-        int n_max = 0;
-        // Rows loop to 4 (guarded) so that the compiler unrolls them: a[][] stays in registers.
-        for (int r = 0; r < 4; ++r) {
-          if (r >= R || n_row[b][r] <= 0) continue;
-          n_max = std::max(n_max, n_row[b][r]);
-          for (int d = 0; d < dn; ++d)
-            a[r][d] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * (d0 + d)), _mm512_set1_ps(alpha[b][r]));
-        }
-        for (int j = 0; j < n_max; ++j) {
-          __m512 v[4];
-          for (int d = 0; d < dn; ++d) v[d] = load16(vb[b] + j * v_stride + 16 * (d0 + d));
+    } else {
+      for (int d0 = 0; d0 < DV; d0 += 4) {  // 64 dimensions at a time: 16 accumulators
+        const int dn = std::min(4, DV - d0);
+        for (int b = 0; b < nb; ++b) {
+          __m512 a[4][4];
+          int n_max = 0;
+          // Rows loop to 4 (guarded) so that the compiler unrolls them: a[][] stays in registers.
           for (int r = 0; r < 4; ++r) {
-            if (r >= R || j >= n_row[b][r]) continue;
-            const __m512 p = _mm512_set1_ps(pj[b][r][j]);
-            for (int d = 0; d < dn; ++d) a[r][d] = _mm512_fmadd_ps(p, v[d], a[r][d]);
+            if (r >= R || n_row[b][r] <= 0) continue;
+            n_max = std::max(n_max, n_row[b][r]);
+            for (int d = 0; d < dn; ++d)
+              a[r][d] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * (d0 + d)), _mm512_set1_ps(alpha[b][r]));
           }
+          for (int j = 0; j < n_max; ++j) {
+            __m512 v[4];
+            for (int d = 0; d < dn; ++d) v[d] = load16(vb[b] + j * v_stride + 16 * (d0 + d));
+            for (int r = 0; r < 4; ++r) {
+              if (r >= R || j >= n_row[b][r]) continue;
+              const __m512 p = _mm512_set1_ps(pj[b][r][j]);
+              for (int d = 0; d < dn; ++d) a[r][d] = _mm512_fmadd_ps(p, v[d], a[r][d]);
+            }
+          }
+          for (int r = 0; r < 4; ++r)
+            if (r < R && n_row[b][r] > 0)
+              for (int d = 0; d < dn; ++d) _mm512_store_ps(acc[r] + 16 * (d0 + d), a[r][d]);
         }
-        for (int r = 0; r < 4; ++r)
-          if (r < R && n_row[b][r] > 0)
-            for (int d = 0; d < dn; ++d) _mm512_store_ps(acc[r] + 16 * (d0 + d), a[r][d]);
       }
     }
   }

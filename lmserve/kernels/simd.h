@@ -27,18 +27,12 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
 // The lanes of `lanes` only (the others zero, their memory not read).
 inline __m512 load16_masked(const uint16_t* p, __mmask16 lanes) {
   __m256i h = _mm256_maskz_loadu_epi16(lanes, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline __m512 load16_masked(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
-inline __m512 load16_masked(const int8_t* p, __mmask16 lanes) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(lanes, p)));
-}
 
 // A float passed in a 64-bit argument word of a packed call (its bits in the low half).
 inline float word_to_f32(int64_t w) {
