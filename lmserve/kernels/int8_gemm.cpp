@@ -108,9 +108,26 @@ inline __m512i broadcast4(const int8_t* p) {  // 4 activation bytes to every lan
   return _mm512_set1_epi32(v);
 }
 
-// C[m0 : m0+MR, 16 * j0 : 16 * (j0+NR)].
+// Asks for weight group j's block g (codes, then scales and zeros) in L2.
+template <int BITS>
+inline void prefetch_block(const Args& p, int64_t j, int g) {
+  constexpr int V = BITS == 4 ? 4 : 8;
+  const int G = p.K / 32;
+  const uint8_t* codes = p.codes + (j * G + g) * V * 64;
+  for (int x = 0; x < V * 64; x += 64) prefetch_l2(codes + x);
+  const int64_t k = (j * G + g) * 32;
+  if (p.half_consts) {
+    prefetch_l2((const uint16_t*)p.consts + k);
+  } else {
+    prefetch_l2((const float*)p.consts + k);
+    prefetch_l2((const float*)p.consts + k + 16);
+  }
+}
+
+// C[m0 : m0+MR, 16 * j0 : 16 * (j0+NR)]; with next_j >= 0 it also asks for the weights of
+// groups next_j .. next_j+NR-1 in L2, a block per block it computes.
 template <int BITS, int DIGITS, int MR, int NR>
-void tile(const Args& p, int m0, int j0) {
+void tile(const Args& p, int m0, int j0, int next_j) {
   const int G = p.K / 32;
   constexpr int V = BITS == 4 ? 4 : 8;  // weight vectors per block and 16 rows
   __m512 acc[MR][NR];
@@ -143,6 +160,8 @@ void tile(const Args& p, int m0, int j0) {
     };
     const uint8_t* w[NR];
     for (int r = 0; r < NR; ++r) w[r] = p.codes + ((int64_t)(j0 + r) * G + g) * V * 64;
+    if (next_j >= 0)
+      for (int r = 0; r < NR; ++r) prefetch_block<BITS>(p, next_j + r, g);
     for (int v = 0; v < 4; ++v) {
       __m512i wa[NR], wb[NR];
       if constexpr (BITS == 4) {  // low nibbles: elements 4v.., high nibbles: 16+4v..
@@ -188,19 +207,24 @@ void tile(const Args& p, int m0, int j0) {
 
 constexpr int kMC = 64;  // rows of A kept in cache while every weight strip passes over them
 
+// Rows m0 .. m_end of the strip at group j0; the first tile asks for the strip at next_j (if >= 0).
 template <int BITS, int DIGITS, int MR, int NR>
-void rows(const Args& p, int m0, int m_end, int j0) {
-  for (; m0 + MR <= m_end; m0 += MR) tile<BITS, DIGITS, MR, NR>(p, m0, j0);
+void rows(const Args& p, int m0, int m_end, int j0, int next_j = -1) {
+  for (; m0 + MR <= m_end; m0 += MR, next_j = -1) tile<BITS, DIGITS, MR, NR>(p, m0, j0, next_j);
   switch (m_end - m0) {  // the last rows, fewer than MR
-    case 3: if constexpr (MR > 3) tile<BITS, DIGITS, 3, NR>(p, m0, j0); break;
-    case 2: if constexpr (MR > 2) tile<BITS, DIGITS, 2, NR>(p, m0, j0); break;
-    case 1: if constexpr (MR > 1) tile<BITS, DIGITS, 1, NR>(p, m0, j0); break;
+    case 3: if constexpr (MR > 3) tile<BITS, DIGITS, 3, NR>(p, m0, j0, next_j); break;
+    case 2: if constexpr (MR > 2) tile<BITS, DIGITS, 2, NR>(p, m0, j0, next_j); break;
+    case 1: if constexpr (MR > 1) tile<BITS, DIGITS, 1, NR>(p, m0, j0, next_j); break;
     default: break;
   }
 }
 
 // Tiles of MR rows x NR groups of 16 columns. The tile shape never changes the arithmetic of an
-// output element, so choosing it by M keeps rows batch-invariant.
+// output element, so choosing it by M keeps rows batch-invariant. With one chunk of rows (decode)
+// each strip asks for the next one's weights in L2 as it goes: a strip of few rows is done before
+// the hardware prefetcher, which stops at every 4 KiB page, has brought the next from memory
+// (the layers' matmuls over 16 rows 13% faster, over 1 row 30%; with more chunks the prefetcher
+// keeps up, or later chunks find the weights in L2, and asking costs 2%).
 template <int BITS, int DIGITS, int MR, int NR>
 void gemm_tiles(const Args& p) {
   const int groups = (p.N + 15) / 16, strips = (groups + NR - 1) / NR;
@@ -210,7 +234,7 @@ void gemm_tiles(const Args& p) {
     for (int s = 0; s < strips; ++s) {
       const int j0 = s * NR, m0 = c * kMC, m_end = std::min(p.M, m0 + kMC);
       if (j0 + NR <= groups)
-        rows<BITS, DIGITS, MR, NR>(p, m0, m_end, j0);
+        rows<BITS, DIGITS, MR, NR>(p, m0, m_end, j0, chunks == 1 && j0 + 2 * NR <= groups ? j0 + NR : -1);
       else
         for (int j = j0; j < groups; ++j) rows<BITS, DIGITS, MR, 1>(p, m0, m_end, j);
     }

@@ -283,10 +283,6 @@ inline void store_row(const float* acc, float l, Out* out, int D) {
   for (int i = 0; i < D; ++i) store_elem(out + i, acc[i] * inv);
 }
 
-// Asks for the cache line at p in L2. Inline assembly: GCC 12 at -O3 dropped the _mm_prefetch
-// calls of attend_direct (none were left in the disassembly); a volatile asm statement stays.
-inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
-
 // Asks for the keys and values of KV head kvh in `blocks` blocks from key `start` (those before
 // n_keys) in L2. attend_direct asks one chunk ahead: a sequence's pages are scattered, so the
 // hardware prefetcher cannot know them (20-25% on decode over 16 streams; into L1, or two chunks

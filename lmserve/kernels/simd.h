@@ -34,6 +34,11 @@ inline __m512 load16_masked(const uint16_t* p, __mmask16 lanes) {
 }
 inline __m512 load16_masked(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
 
+// Asks for the cache line at p in L2. Inline assembly: GCC 12 at -O3 dropped the _mm_prefetch
+// calls of paged_attention.cpp's attend_direct (none were left in the disassembly); a volatile
+// asm statement stays.
+inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
+
 // A float passed in a 64-bit argument word of a packed call (its bits in the low half).
 inline float word_to_f32(int64_t w) {
   const uint32_t u = (uint32_t)w;
