@@ -41,9 +41,10 @@ class OptFlags:
     # bfloat16); "int4"/"int8" round every weight to 32-wide blocks of that many bits.
     weight_dtype: WeightFormat = "float32"
     # dtype of the paged KV cache. int8 stores each key and value as codes with a float scale per
-    # token and head (about half of bfloat16's bytes), and the kernel then computes the scores as
-    # integer dot products of the keys with the query quantized likewise; it needs
-    # attention=cpu_paged, and where the C++ kernel cannot run the cache is bfloat16 (logged).
+    # token and head (about half of bfloat16's bytes), and the kernel then computes the scores
+    # and the weighted values as integer dot products (with the query quantized likewise, and the
+    # softmax weights as 16-bit codes); it needs attention=cpu_paged, and where the C++ kernel
+    # cannot run, or pages do not hold a multiple of 4 tokens, the cache is bfloat16 (logged).
     kv_dtype: KvDtype = "float32"
     # dtype of the activations entering the attention projections (q/k/v, o) and the head. With
     # block weights, float32 is multiplied as two bfloat16 halves: about 16 significant bits, at
