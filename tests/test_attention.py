@@ -162,12 +162,42 @@ def test_kernel_rows_do_not_depend_on_batch_company(cache, hd, page, heads, monk
     assert torch.equal(whole[149], company) and torch.equal(whole[149], alone)
 
 
+@pytest.mark.parametrize("name,cache", [
+    ("torch_native", torch.float32),
+    *(pytest.param("cpu_paged", c, marks=needs_kernel) for c in (torch.float32, torch.bfloat16, torch.int8))])
+@pytest.mark.parametrize("page", [4, 16])  # 16: the decoded row reads the cache directly
+@pytest.mark.parametrize("bad", [3, 17])  # a lane of the first 16-key block, or of the second
+def test_a_nan_key_makes_exactly_the_rows_that_see_it_nan(name, cache, page, bad, monkeypatch):
+    """A NaN key (token ``bad``, KV head 0) poisons the rows of KV head 0's query heads that
+    attend to it, in a prefill and in the decode after it, as torch's softmax does; earlier rows
+    and the other KV head's rows keep their bits. (A NaN at lane 3 of a row's first block once
+    left parts of rows at 0: the max of 16 lanes with a NaN depends on its lane.)"""
+    monkeypatch.setattr(sys.modules[__name__], "PAGE", page)
+    torch.manual_seed(5)
+    backend = create_backend(name, SHAPE)
+    full = torch.randn(21, (H + 2 * KVH) * HD)
+    poisoned = full.clone()
+    poisoned[bad, H * HD] = float("nan")  # the first dimension of KV head 0's key
+    pages = [[5, 2, 7, 0, 6, 3][: -(-21 // page)]]
+    outs = []
+    for qkv in (full, poisoned):
+        caches = make_caches(backend, 8, cache)
+        prefill = run_step(backend, caches, [qkv], pages, [20], [0])
+        outs.append(torch.cat([prefill, run_step(backend, caches, [qkv], pages, [1], [20])]))
+    clean, out = outs
+    G = H // KVH
+    assert not clean.isnan().any()
+    assert torch.equal(out[:bad], clean[:bad])
+    assert out[bad:, :G].isnan().all()
+    assert torch.equal(out[bad:, G:], clean[bad:, G:])
+
+
 @needs_kernel
 @pytest.mark.parametrize("page", [4, 16])  # 16: the decoded rows read the cache directly
 @pytest.mark.parametrize("hd", [16, 64, 128])
 def test_int8_cache_stays_close_to_float32(hd, page, monkeypatch):
     """An int8 cache (codes with a scale per token and head; keys and the query multiplied as
-    int8 codes, the softmax weights as bytes against the value codes) against a float32 one on
+    int8 codes, the softmax weights as 16-bit codes against the value codes) against a float32 one on
     the same steps, prefill then decode: outputs of size about 3 agree within 5e-2, and the
     stored codes decode to the keys and values within half a step of max|x| / 127, the keys'
     code sums stored beside them."""

@@ -61,7 +61,7 @@ class AttentionBackend(ABC):
         cos: torch.Tensor,  # (T, hd) float32 rotary angles of each token's position
         sin: torch.Tensor,  # (T, hd)
         k_cache: torch.Tensor,  # (slots, KVH, hd), or (pages, KVH, hd, page_size) if keys_transposed
-        v_cache: torch.Tensor,  # (slots, KVH, hd)
+        v_cache: torch.Tensor,  # (slots, KVH, hd); int8: (pages, KVH, hd + 4, page_size) bytes
     ) -> torch.Tensor:  # (T, H * hd) in qkv's dtype
         """Rotate q and k, write this step's keys/values into the cache, attend each query
         causally over its sequence's cached keys."""

@@ -52,9 +52,9 @@ template <>
 constexpr int kValueExtra<int8_t> = 4;
 
 // A head's D values to int8 codes in dst (code = round(x / scale), scale = max|x| / 127); returns
-// the scale: NaN if x holds a NaN or an infinity (a value then makes its
-// rows' outputs NaN; a key's NaN score gets a weight of about e^-87, as with a float cache), and
-// codes 0 for x all zero or too small for 127 / max|x| to be finite.
+// the scale: NaN if x holds a NaN or an infinity (the key's or value's rows then come out NaN,
+// as with a float cache: softmax_update), and codes 0 for x all zero or too small for
+// 127 / max|x| to be finite.
 inline float quantize_head(const float* x, int8_t* dst, int D) {
   __m512 amax = _mm512_setzero_ps();
   __mmask16 bad = 0;  // lanes that met a NaN or an infinity
@@ -139,7 +139,8 @@ constexpr int kMaxRows = 16;  // query rows (tokens x heads of one KV head) shar
 // Both attention paths below compute a row (one token, one query head) with the same operations
 // in the same order (block_scores, or block_scores_q8 on an int8 cache; softmax_update; the
 // weighted values acc = acc * alpha + p[j] * value j over the keys in order, as per-element FMA
-// chains; store_row), so its output does not depend on which path ran it.
+// chains, or on an int8 cache value_dots' exact integer sums of a block then add_value_dots;
+// store_row), so its output does not depend on which path ran it.
 
 // Scores of kRows rows against a block of 16 keys, times `scale`, into out[0 .. rows): the
 // 16 keys' scores in the lanes of one vector, q[d] times the keys' dimension d (key_dim(d)),
@@ -199,10 +200,17 @@ inline void block_scores_q8(const uint32_t* const* qw, const float* q_scale, int
 
 // A row's online-softmax update for one block: the scores s (the first n live, n in 1..16)
 // become the weights p in place; m (running max) and l (running sum) are updated. Returns the
-// factor the row's earlier weighted values are scaled by.
+// factor the row's earlier weighted values are scaled by. A live score of NaN or +infinity (a
+// NaN or infinite query or key) makes the row NaN from here on, as torch's softmax would: the
+// max of 16 lanes with a NaN depends on its lane, which once let such a key zero parts of rows.
 inline float softmax_update(float* s, int n, float& m, float& l) {
   const __mmask16 live = (__mmask16)((1u << n) - 1);
   const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_load_ps(s));
+  if (_mm512_cmp_ps_mask(sv, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ) || std::isnan(m)) {
+    m = l = NAN;
+    _mm512_store_ps(s, _mm512_set1_ps(NAN));
+    return NAN;
+  }
   const float m_new = std::max(m, _mm512_reduce_max_ps(sv));
   const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
   const float alpha = m == -INFINITY ? 0.f : std::exp(m - m_new);
@@ -223,9 +231,10 @@ inline void scale_weights(float* p, int n, const float* value_scales) {
 // A row's weights of one block on an int8 cache (scale_weights done; zero past its keys) as
 // 16-bit codes in 65535ths of the largest, for vpdpbusd (unsigned bytes) against the value codes:
 // words[g] holds the high bytes of keys 4g..4g+3, words[4 + g] their low bytes. (One byte in
-// 255ths rounded the small weights of long contexts coarsely: +0.3% perplexity at O3.) Returns
-// the weight of one step: NaN if a weight is (a NaN value scale), so the row's output is; 0,
-// with codes 0, if every weight is 0 or too small for 65535 / max to be finite.
+// 255ths rounded the small weights of long contexts coarsely: O3's perplexity +0.73% against
+// +0.45%.) Returns the weight of one step: NaN if a weight is (a NaN value scale or softmax), so
+// the row's output is; the codes are all 0, so the block adds nothing, if every weight is 0 or
+// too small for 65535 / max to be finite.
 inline float weight_words(const float* p, uint32_t* words) {
   const __m512 w = _mm512_load_ps(p);
   const bool nan = _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
@@ -233,14 +242,14 @@ inline float weight_words(const float* p, uint32_t* words) {
   const float r = !nan && w_max > 0.f ? 65535.f / w_max : 0.f;
   const __m512i codes = _mm512_cvt_roundps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(std::isfinite(r) ? r : 0.f)),
                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512i c = _mm512_min_epu32(codes, _mm512_set1_epi32(65535));  // w <= w_max: a no-op
+  const __m512i c = _mm512_min_epu32(codes, _mm512_set1_epi32(65535));  // w <= w_max: a no-op (NaN: step is NaN)
   _mm_storeu_si128((__m128i*)words, _mm512_cvtepi32_epi8(_mm512_srli_epi32(c, 8)));
   _mm_storeu_si128((__m128i*)(words + 4), _mm512_cvtepi32_epi8(c));
   return nan ? NAN : w_max / 65535.f;
 }
 
 // A row's weighted values over one block on an int8 cache: acc[16 d ..] = acc * alpha + (the
-// exact integer sums of the weight words times the value quads) * step, for the DV vectors of 16
+// exact integer sums of the weight words times the value quads) * step, for the dn vectors of 16
 // dimensions from d0 (dots[d] holds the integer sums of vector d0 + d).
 inline void add_value_dots(float* acc, float alpha, float step, const __m512i* dots, int d0, int dn) {
   for (int d = 0; d < dn; ++d) {
@@ -335,7 +344,8 @@ inline int64_t row_at(int r, int G, int H, int D) { return ((int64_t)(r / G) * H
 
 // Attention of the rows of `tokens` consecutive tokens of one sequence (token i sees keys
 // [0, ctx[i])) and the G query heads sharing KV head `kvh`, key block by key block, through
-// float32 copies of each block's keys and values (shared by up to 16 rows).
+// copies of each block's keys and values shared by up to 16 rows (widened to float32, or an int8
+// cache's codes as the integer dot products read them).
 template <int kDV, typename Cache, typename Out>
 void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages,
                   const int32_t* ctx, int tokens, int kvh, int G, int H, int KVH, int D,
@@ -348,7 +358,7 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   // values' rows of words as vpdpbusd reads them, their scales, the keys' code sums, and the
   // rows' quantized queries.
   alignas(64) float kt[kInt8 ? 1 : kMaxD][16], vf[kInt8 ? 1 : 16][kMaxD];
-  alignas(64) uint32_t kq[kMaxD / 4][16], vq[4][kMaxD];
+  alignas(64) uint32_t kq[kInt8 ? kMaxD / 4 : 1][16], vq[kInt8 ? 4 : 1][kInt8 ? kMaxD : 1];
   alignas(64) float k_scales[16], v_scales[16];
   alignas(64) int32_t k_sums[16];
   alignas(64) uint32_t qw[kInt8 ? kMaxRows : 1][kMaxD / 4];
@@ -404,7 +414,6 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
       if constexpr (kInt8) {
         for (int e = 0; e < D / 4; ++e) _mm512_mask_storeu_epi32(kq[e], past, _mm512_setzero_si512());
         for (int j = n; j < 16; ++j) k_scales[j] = v_scales[j] = 0.f, k_sums[j] = 0;
-        for (int g = (n + 3) / 4; g < 4; ++g) memset(vq[g], 0, sizeof(uint32_t) * D);
       } else {
         for (int d = 0; d < D; ++d) _mm512_mask_storeu_ps(kt[d], past, _mm512_setzero_ps());
       }
@@ -444,7 +453,7 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
         for (int d0 = 0; d0 < DV; d0 += 4) {
           const int dn = std::min(4, DV - d0);
           __m512i dots[4][4];
-          value_dots(w + r0, live + r0, 4, [&](int g) { return vq[g]; }, d0, dn, dots);
+          value_dots(w + r0, live + r0, (n + 3) / 4, [&](int g) { return vq[g]; }, d0, dn, dots);
           for (int r = r0; r < std::min(R, r0 + 4); ++r)
             if (live[r]) add_value_dots(acc[r], alpha[r], step[r], dots[r - r0], d0, dn);
         }
@@ -469,12 +478,11 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
 
 // The same for at most 4 rows (a decoded token's query heads of this KV head) when pages hold a
 // multiple of 16 keys (a block is then one page run): keys and values are read straight from the
-// cache (widened as they are used; an int8 cache's keys as codes), and the work goes in chunks of
-// kChunk blocks: every block's
-// scores first (independent of each other, so several pages' loads are in flight at once), then
-// each row's softmax updates block after block, then the weighted values with keys outer and
-// rows inner, so a value vector is loaded and widened once for all rows. 10-20% faster than
-// attend_group on decode over 16 streams (alternating runs).
+// cache (widened as they are used; an int8 cache's as codes), and the work goes in chunks of
+// kChunk blocks: every block's scores first (independent of each other, so several pages' loads
+// are in flight at once), then each row's softmax updates block after block, then the weighted
+// values with keys outer and rows inner, so a value vector is loaded (and widened) once for all
+// rows. 10-20% faster than attend_group on decode over 16 streams (alternating runs).
 template <int kDV, typename Cache, typename Out>
 void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages,
                    const int32_t* ctx, int tokens, int kvh, int G, int H, int KVH, int D,
