@@ -23,7 +23,8 @@ from typing import Optional
 logger = logging.getLogger("lmserve")
 
 _SOURCE_DIR = Path(__file__).parent
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# The flags every kernel is built with (benchmarks/kernel_ab.py builds other revisions alike).
+COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
@@ -74,7 +75,7 @@ def _load(name: str) -> Optional[ctypes.CDLL]:
         return None
     source = (_SOURCE_DIR / f"{name}.cpp").read_bytes() + b"".join(
         h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h")))
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode()
+    key = hashlib.sha256(source + " ".join(COMPILE_FLAGS).encode()
                          + " ".join(sorted(_cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
@@ -82,7 +83,7 @@ def _load(name: str) -> Optional[ctypes.CDLL]:
         # Build beside the target and rename, so concurrent processes never load half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        cmd = ["g++", *_FLAGS, str(_SOURCE_DIR / f"{name}.cpp"), "-o", tmp]
+        cmd = ["g++", *COMPILE_FLAGS, str(_SOURCE_DIR / f"{name}.cpp"), "-o", tmp]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)

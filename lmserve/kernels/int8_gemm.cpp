@@ -124,9 +124,10 @@ inline void prefetch_block(const Args& p, int64_t j, int g) {
   }
 }
 
-// C[m0 : m0+MR, 16 * j0 : 16 * (j0+NR)]; with next_j >= 0 it also asks for the weights of
-// groups next_j .. next_j+NR-1 in L2, a block per block it computes.
-template <int BITS, int DIGITS, int MR, int NR>
+// C[m0 : m0+MR, 16 * j0 : 16 * (j0+NR)]; with kAsk it also asks for the weights of groups
+// next_j .. next_j+NR-1 in L2, a block per block it computes (a compile-time choice: a test in
+// the block loop cost tiles that do not ask 3%).
+template <int BITS, int DIGITS, int MR, int NR, bool kAsk>
 void tile(const Args& p, int m0, int j0, int next_j) {
   const int G = p.K / 32;
   constexpr int V = BITS == 4 ? 4 : 8;  // weight vectors per block and 16 rows
@@ -160,7 +161,7 @@ void tile(const Args& p, int m0, int j0, int next_j) {
     };
     const uint8_t* w[NR];
     for (int r = 0; r < NR; ++r) w[r] = p.codes + ((int64_t)(j0 + r) * G + g) * V * 64;
-    if (next_j >= 0)
+    if constexpr (kAsk)
       for (int r = 0; r < NR; ++r) prefetch_block<BITS>(p, next_j + r, g);
     for (int v = 0; v < 4; ++v) {
       __m512i wa[NR], wb[NR];
@@ -207,14 +208,23 @@ void tile(const Args& p, int m0, int j0, int next_j) {
 
 constexpr int kMC = 64;  // rows of A kept in cache while every weight strip passes over them
 
+// A tile that asks for the strip at next_j if it is >= 0.
+template <int BITS, int DIGITS, int MR, int NR>
+void tile_asking(const Args& p, int m0, int j0, int next_j) {
+  if (next_j >= 0)
+    tile<BITS, DIGITS, MR, NR, true>(p, m0, j0, next_j);
+  else
+    tile<BITS, DIGITS, MR, NR, false>(p, m0, j0, next_j);
+}
+
 // Rows m0 .. m_end of the strip at group j0; the first tile asks for the strip at next_j (if >= 0).
 template <int BITS, int DIGITS, int MR, int NR>
 void rows(const Args& p, int m0, int m_end, int j0, int next_j = -1) {
-  for (; m0 + MR <= m_end; m0 += MR, next_j = -1) tile<BITS, DIGITS, MR, NR>(p, m0, j0, next_j);
+  for (; m0 + MR <= m_end; m0 += MR, next_j = -1) tile_asking<BITS, DIGITS, MR, NR>(p, m0, j0, next_j);
   switch (m_end - m0) {  // the last rows, fewer than MR
-    case 3: if constexpr (MR > 3) tile<BITS, DIGITS, 3, NR>(p, m0, j0, next_j); break;
-    case 2: if constexpr (MR > 2) tile<BITS, DIGITS, 2, NR>(p, m0, j0, next_j); break;
-    case 1: if constexpr (MR > 1) tile<BITS, DIGITS, 1, NR>(p, m0, j0, next_j); break;
+    case 3: if constexpr (MR > 3) tile_asking<BITS, DIGITS, 3, NR>(p, m0, j0, next_j); break;
+    case 2: if constexpr (MR > 2) tile_asking<BITS, DIGITS, 2, NR>(p, m0, j0, next_j); break;
+    case 1: if constexpr (MR > 1) tile_asking<BITS, DIGITS, 1, NR>(p, m0, j0, next_j); break;
     default: break;
   }
 }
@@ -223,8 +233,9 @@ void rows(const Args& p, int m0, int m_end, int j0, int next_j = -1) {
 // output element, so choosing it by M keeps rows batch-invariant. With one chunk of rows (decode)
 // each strip asks for the next one's weights in L2 as it goes: a strip of few rows is done before
 // the hardware prefetcher, which stops at every 4 KiB page, has brought the next from memory
-// (the layers' matmuls over 16 rows 13% faster, over 1 row 30%; with more chunks the prefetcher
-// keeps up, or later chunks find the weights in L2, and asking costs 2%).
+// (benchmarks/kernel_ab.py int8_gemm: a layer's matmuls over 16 rows take 19% less time, 14%
+// with two digits, over 1 row 22%; with more chunks the prefetcher keeps up, or later chunks find
+// the weights in L2, and asking would cost 2-4%).
 template <int BITS, int DIGITS, int MR, int NR>
 void gemm_tiles(const Args& p) {
   const int groups = (p.N + 15) / 16, strips = (groups + NR - 1) / NR;

@@ -384,22 +384,21 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
       const int64_t page_id = pages[page];
       const Cache* kh = kc + (page_id * KVH + kvh) * k_head;
       const __mmask16 lanes = (__mmask16)((1u << run) - 1);
-      if constexpr (kInt8) {  // rows of 4 * page_size bytes: codes by 4 dimensions, scales, sums
+      if constexpr (kInt8) {
+        // Keys: rows of 4 * page_size bytes, codes by 4 dimensions, then scales, then code sums.
         const uint32_t* rows = (const uint32_t*)kh + offset;
         for (int e = 0; e < D / 4; ++e)
           _mm512_mask_storeu_epi32(kq[e] + j, lanes, _mm512_maskz_loadu_epi32(lanes, rows + (int64_t)e * page_size));
         _mm512_mask_storeu_ps(k_scales + j, lanes, _mm512_maskz_loadu_ps(lanes, (const float*)(rows + (int64_t)(D / 4) * page_size)));
         _mm512_mask_storeu_epi32(k_sums + j, lanes, _mm512_maskz_loadu_epi32(lanes, rows + (int64_t)(D / 4 + 1) * page_size));
-      } else {
-        for (int d = 0; d < D; ++d)
-          _mm512_mask_storeu_ps(kt[d] + j, lanes, load16_masked(kh + (int64_t)d * page_size + offset, lanes));
-      }
-      if constexpr (kInt8) {  // rows of D words (one per 4 keys: a run holds whole rows), scales
+        // Values: rows of D words (one per 4 keys: a run holds whole rows), then scales.
         const Cache* vh = vc + (page_id * KVH + kvh) * v_head;
         for (int g = 0; g < (run + 3) / 4; ++g)
           memcpy(vq[j / 4 + g], vh + (int64_t)(offset + 4 * g) * D, sizeof(uint32_t) * D);
         memcpy(v_scales + j, vh + (int64_t)D * page_size + 4 * offset, sizeof(float) * run);
       } else {
+        for (int d = 0; d < D; ++d)
+          _mm512_mask_storeu_ps(kt[d] + j, lanes, load16_masked(kh + (int64_t)d * page_size + offset, lanes));
         for (int i = 0; i < run; ++i) {
           const Cache* v = vc + ((page_id * page_size + offset + i) * KVH + kvh) * D;
           for (int d = 0; d < DV; ++d) _mm512_store_ps(vf[j + i] + 16 * d, load16(v + 16 * d));
