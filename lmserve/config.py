@@ -58,7 +58,10 @@ class OptFlags:
     # torch_native: torch ops throughout. cpu_paged: lmserve's C++ kernels for attention and the
     # element-wise layer ops (residual + RMSNorm, SiLU * up).
     attention: AttentionKernel = "torch_native"
-    compile: bool = False  # torch.compile the model forward
+    # torch.compile the layers' torch ops around attention (norms, projections, MLP): only on the
+    # torch path (attention=torch_native, dense float32/float16 weights); elsewhere the layers
+    # already run as lmserve's C++ kernels in one call list, and compile=1 is refused.
+    compile: bool = False
 
 
 # The one place that says what each level means; change a preset here and nowhere else.
@@ -73,6 +76,7 @@ class OptFlags:
 # Every level computes each token the same way whatever its batch company, so greedy output does
 # not depend on batching.
 _BF16 = "bfloat16"
+_DENSE_WEIGHTS = ("float32", "float16")  # weight formats held as torch tensors (compile=1 needs them)
 OPT_LEVELS: dict[str, OptFlags] = {
     "O0": OptFlags(),
     "O1": OptFlags(weight_dtype=_BF16, kv_dtype=_BF16, act_dtype=_BF16, attention="cpu_paged"),
@@ -135,6 +139,11 @@ def parse_opt(opt: Optional[str]) -> OptFlags:
     if flags.kv_dtype == "int8" and flags.attention != "cpu_paged":
         raise ValueError(f"opt: kv_dtype=int8 needs attention=cpu_paged (the C++ kernel reads it), "
                          f"but {opt!r} has attention={flags.attention}")
+    if flags.compile and (flags.attention != "torch_native" or flags.weight_dtype not in _DENSE_WEIGHTS):
+        raise ValueError(
+            f"opt: compile=1 compiles the torch path (attention=torch_native with weight_dtype "
+            f"float32 or float16, e.g. 'O0;compile=1'), but {opt!r} has attention={flags.attention}, "
+            f"weight_dtype={flags.weight_dtype}: there the layers already run as one C++ call list")
     return flags
 
 

@@ -79,6 +79,7 @@ class EnginePlan:
     act_dtype: str  # dtype of activations entering the attention projections and the head
     mlp_act_dtype: str  # ... entering the MLP
     attention: str  # attention backend
+    compile: bool  # the layers' torch ops compiled (opt compile=1)
     memory: MemoryPlan
 
     def describe(self) -> str:
@@ -142,7 +143,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     _check(args, memory, total, single, chunk, util)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
                       opt.weight_dtype, kv_dtype, opt.act_dtype,
-                      opt.mlp_act_dtype or opt.act_dtype, opt.attention, memory)
+                      opt.mlp_act_dtype or opt.act_dtype, opt.attention, opt.compile, memory)
 
 
 def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16") -> int:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from lmserve.attention.base import AttentionBackend, AttentionInput
 from lmserve.cache.kv import KVCache
+from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.models.llama import ForwardContext
 from lmserve.scheduler import Batch
 
@@ -14,9 +17,11 @@ class ModelRunner:
     """Owns the model, the KV tensors and the attention backend; one ``execute`` per step."""
 
     def __init__(self, model, kv: KVCache, backend: AttentionBackend, ops, max_positions: int,
-                 device: torch.device) -> None:
-        """``ops``: the element-wise layer ops (``layers.fused.TorchOps`` or ``FusedOps``)."""
+                 device: torch.device, compiled: Optional[CompiledLayerOps] = None) -> None:
+        """``ops``: the element-wise layer ops (``layers.fused.TorchOps`` or ``FusedOps``);
+        ``compiled``: the layers' torch ops as compiled graphs (opt compile=1), or None."""
         self.model = model
+        self.compiled = compiled
         self.kv = kv
         self.backend = backend
         self.ops = ops
@@ -51,6 +56,7 @@ class ModelRunner:
             sin=sin,
             kv=self.kv,
             layer_calls=self.layer_calls,
+            compiled=self.compiled,
         )
         hidden = self.model.forward(torch.tensor(input_ids, device=self.device), ctx)  # (T, D)
         if not last_token:

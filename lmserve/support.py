@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lmserve.config import EngineConfig, parse_opt
+from lmserve.config import EngineConfig
 
 # (field, does this value need an unbuilt feature?, the feature)
 _NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
@@ -24,7 +24,6 @@ _NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("spec_draft_length", lambda v: v != 0, "speculative decoding"),
     ("spec_tree_width", lambda v: v != 1, "speculative decoding"),
     ("additional_models", lambda v: len(v) > 0, "additional models (speculative decoding)"),
-    ("opt", lambda v: parse_opt(v).compile, "compiled model forward (opt knob compile=1)"),
 )
 
 

@@ -57,7 +57,7 @@ def test_round_trip_keeps_every_field_and_model_pairs_as_tuples():
         model="m.gguf",
         additional_models=["draft", ("head", "head.so")],
         mode="interactive",
-        opt="O1;compile=1",
+        opt="O0;compile=1",
         gpu_memory_utilization=0.5,
         kv_cache_page_size=32,
         max_num_sequence=3,
@@ -216,13 +216,14 @@ def test_levels(level, expected):
         # Knobs without a level adjust the default level, O2.
         ("weight_dtype=bfloat16;compile=0", _flags("bfloat16", "bfloat16", act="int16")),
         ("kv_dtype=float16", _flags("native", "float16")),
-        ("compile=1", _flags("native", "bfloat16", compile=True)),
-        ("compile=true", _flags("native", "bfloat16", compile=True)),
+        ("O0;compile=1", _flags("float32", "float32", "torch_native", compile=True)),
+        ("O0;compile=true", _flags("float32", "float32", "torch_native", compile=True)),
+        ("O0;weight_dtype=f16;compile=1", _flags("float16", "float32", "torch_native", compile=True, act="float32")),
         ("O2;kv_dtype=float32", _flags("native", "float32")),
         ("O2;mlp_act_dtype=fp32", _flags("native", "bfloat16", mlp="float32")),
         (" O0 ; weight_dtype = float16 ; ", _flags("float16", "float32", "torch_native", act="float32")),
         # the spelling: short dtype names
-        ("weight_dtype=int4;kv_dtype=bf16;compile=1", _flags("int4", "bfloat16", compile=True, act="int16")),
+        ("weight_dtype=int4;kv_dtype=bf16", _flags("int4", "bfloat16", act="int16")),
         ("O0;attention=cpu_paged;weight_dtype=int8", _flags("int8", "float32", act="float32")),
         ("O2;act_dtype=bf16", _flags("native", "bfloat16", act="bfloat16")),
         ("O3;mlp_act_dtype=int16", _flags("native", "int8", act="int8", mlp="int16")),
@@ -246,6 +247,11 @@ def test_knobs_adjust_the_level(opt, expected):
         ("compile=1;O2", ["'O2'", "name=value"]),
         ("compile=1;compile=0", ["'compile'", "more than once"]),
         ("O0;kv_dtype=int8", ["kv_dtype=int8", "attention=cpu_paged", "attention=torch_native"]),
+        # compile=1 compiles torch ops; the C++ paths have none in their layers
+        ("compile=1", ["compile=1", "attention=cpu_paged", "weight_dtype=native", "C++ call list"]),
+        ("weight_dtype=int4;kv_dtype=bf16;compile=1", ["compile=1", "weight_dtype=int4"]),
+        ("O0;weight_dtype=bf16;compile=1", ["compile=1", "weight_dtype=bfloat16", "float32 or float16"]),
+        ("O0;attention=cpu_paged;compile=1", ["compile=1", "attention=cpu_paged", "'O0;compile=1'"]),
     ],
 )
 def test_bad_opt_is_refused_with_the_valid_choices(opt, pieces):
@@ -297,7 +303,6 @@ UNBUILT = [
     ({"spec_draft_length": 4}, "spec_draft_length"),
     ({"spec_tree_width": 2}, "spec_tree_width"),
     ({"additional_models": ["d"]}, "additional_models"),
-    ({"opt": "O1;compile=1"}, "opt"),
 ]
 
 

@@ -51,20 +51,38 @@ def test_prompts_are_varied_and_one_is_long(prompts):
     assert max(len(p) for p in prompts) > 1000
 
 
+def assert_matches_transformers(engine: Engine, hf_model, prompt: list[int], new_tokens: int) -> None:
+    """``engine``'s greedy tokens equal transformers', and every reported top-5 log-prob agrees
+    with transformers' at that position (teacher-forced on the shared tokens)."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=5)
+    deltas = [d for o in engine.generate(prompt, params) for d in o.deltas]
+    tokens = [t for d in deltas for t in d.token_ids]
+    ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, new_tokens)
+    assert tokens == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
+    lps = [lp for d in deltas for lp in d.logprobs]
+    for pos, lp in enumerate(lps):
+        assert abs(lp.logprob - ref_logprobs[pos, lp.token_id].item()) < LOGPROB_TOL
+        for tid, val in lp.top:
+            assert abs(val - ref_logprobs[pos, tid].item()) < LOGPROB_TOL
+        assert [t for t, _ in lp.top] == ref_logprobs[pos].topk(5).indices.tolist()
+
+
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 @torch.inference_mode()
 def test_greedy_tokens_and_logprobs_match_transformers(reference_engine, hf_builtin, prompts):
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=5)
     for prompt in prompts:
-        outs = list(reference_engine.generate(prompt, params))
-        deltas = [d for o in outs for d in o.deltas]
-        tokens = [t for d in deltas for t in d.token_ids]
-        ref_tokens, ref_logprobs = hf_greedy(hf_builtin, prompt, NEW_TOKENS)
-        assert tokens == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
-        # Teacher-forced check of the distribution: every reported top-5 log-prob agrees.
-        lps = [lp for d in deltas for lp in d.logprobs]
-        for pos, lp in enumerate(lps):
-            assert abs(lp.logprob - ref_logprobs[pos, lp.token_id].item()) < LOGPROB_TOL
-            for tid, val in lp.top:
-                assert abs(val - ref_logprobs[pos, tid].item()) < LOGPROB_TOL
-            assert [t for t, _ in lp.top] == ref_logprobs[pos].topk(5).indices.tolist()
+        assert_matches_transformers(reference_engine, hf_builtin, prompt, NEW_TOKENS)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@torch.inference_mode()
+def test_compiled_torch_path_matches_transformers(hf_builtin, prompts):
+    """opt compile=1: the layers' torch ops as compiled graphs keep the reference's tokens and
+    log-probs (the chat prompts, fewer tokens: the long prompt adds nothing compiled)."""
+    engine = Engine(opt="O0;compile=1", max_num_sequence=8, verbose=False)
+    try:
+        assert engine._core.runner.compiled is not None
+        for prompt in prompts[:-1]:
+            assert_matches_transformers(engine, hf_builtin, prompt, 24)
+    finally:
+        engine.shutdown()

@@ -82,7 +82,9 @@ class EngineCore:
         ops = TorchOps()
         if isinstance(backend, CpuPagedBackend):
             ops = FusedOps.create() or ops
-        self.runner = ModelRunner(model, kv, backend, ops, plan.max_single_sequence_length, self.device)
+        compiled = model.compiled_ops() if opt.compile else None
+        self.runner = ModelRunner(model, kv, backend, ops, plan.max_single_sequence_length, self.device,
+                                  compiled)
         self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
         self.requests: dict[str, Request] = {}
         self.counters = _Counters()

@@ -16,6 +16,7 @@ from lmserve.attention.cpu_paged import CpuPagedBackend
 from lmserve.cache.kv import KVCache
 from lmserve.layers.blocks import BlockWeight
 from lmserve.layers.call_list import THREADS, Arg, CallList, Slot, call_lists_available
+from lmserve.layers.compiled import CompiledLayerOps, compilable
 from lmserve.layers.fused import FusedOps, TorchOps
 from lmserve.layers.linear import ACT_TENSOR_DTYPES, BlockLinear, Weight, make_linear
 from lmserve.layers.rotary import RotaryEmbedding
@@ -33,6 +34,7 @@ class ForwardContext:
     sin: torch.Tensor  # (T, hd)
     kv: KVCache
     layer_calls: Optional[LayerCalls] = None  # the layers as one C++ call, where they can be
+    compiled: Optional[CompiledLayerOps] = None  # opt compile=1: the torch ops as compiled graphs
 
 
 @dataclass
@@ -86,11 +88,18 @@ class LlamaLayer:
                  layer: int) -> torch.Tensor:
         """Add the previous sublayer's output ``delta`` to the residual ``x`` (T, D) in place, run
         the block, and return its MLP output, which the next norm adds in turn."""
-        ops = ctx.ops
-        qkv = self.qkv(ops.add_rms_norm(x, delta, self.norm1, self.eps, self.dtype))
+        ops, compiled = ctx.ops, ctx.compiled
+        if compiled is not None:  # the same ops, as graphs shared by every layer (dense weights)
+            qkv = compiled.before_attention(x, delta, self.norm1, self.eps, self.dtype, self.qkv.weight,
+                                            self.qkv.bias)
+        else:
+            qkv = self.qkv(ops.add_rms_norm(x, delta, self.norm1, self.eps, self.dtype))
         attn = ctx.backend.forward(
             ctx.attn_meta, qkv, ctx.cos, ctx.sin, ctx.kv.k[layer], ctx.kv.v[layer]
         )  # (T, H * hd)
+        if compiled is not None:
+            return compiled.after_attention(x, attn, self.o.weight, self.o.bias, self.norm2, self.eps,
+                                            self.mlp_dtype, self.gate_up.weight, self.down.weight)
         h = ops.add_rms_norm(x, self.o(attn), self.norm2, self.eps, self.mlp_dtype)
         return self.down(ops.silu_mul(self.gate_up(h)))
 
@@ -160,6 +169,15 @@ class LlamaModel:
         calls = [call for i, layer in enumerate(self.layers)
                  for call in layer.packed_calls(backend, ops, kv.k[i], kv.v[i], first=i == 0)]
         return LayerCalls(CallList(calls), self.layers[0].buffers())
+
+    def compiled_ops(self) -> CompiledLayerOps:
+        """The layers' compiled graphs (opt compile=1); raises ``ValueError`` unless every layer
+        is torch ops apart from attention (dense weights, no C++ matmul)."""
+        linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if not compilable(*linears):
+            raise ValueError("opt compile=1 needs dense float32/float16 weights (the torch path); "
+                             "these layers multiply in lmserve's C++ matmul kernel")
+        return CompiledLayerOps()
 
     def rotary(self, max_positions: int, device: torch.device) -> RotaryEmbedding:
         a = self.args
