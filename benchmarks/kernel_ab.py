@@ -9,15 +9,15 @@ they are), compiled with the engine's own flags next to that revision's ``simd.h
   of ``--rows``, 30 copies of the weights cycled so they come from memory as in the model;
   GFLOP/s, whether the builds' outputs are bit-identical, and each build's time for one layer's
   four matmuls relative to the first build.
-- ``paged_attention``: one layer's attention call on an int8 KV cache (O3) over 30 layers' caches
-  with each sequence's pages shuffled: a 256-token prefill, decode of 16 streams of 325 tokens,
-  and both in one batch. Each build fills its own caches (their layout may differ between
-  revisions); also prints how far the outputs are apart.
+- ``paged_attention``: one layer's attention call on an int8 KV cache (O3; ``--kv bf16``: O1/O2's)
+  over 30 layers' caches with each sequence's pages shuffled: a 256-token prefill, decode of 16
+  streams of 325 tokens, and both in one batch. Each build fills its own caches (their layout may
+  differ between revisions); also prints how far the outputs are apart.
 - ``fused_ops``: a layer's norm (residual add + RMSNorm, 576 wide) and SiLU(gate) * up (1536
   wide) at each of ``--rows``, 1000 calls through ctypes a timing.
 
     .venv/bin/python benchmarks/kernel_ab.py int8_gemm --base 8d04870 [--new WORKTREE] [--rows 1 16 256]
-    .venv/bin/python benchmarks/kernel_ab.py paged_attention --base 0529f40
+    .venv/bin/python benchmarks/kernel_ab.py paged_attention --base 0529f40 [--kv bf16]
     .venv/bin/python benchmarks/kernel_ab.py fused_ops --base 3708ff8 --rows 1 16
 """
 
@@ -105,7 +105,20 @@ def gemm(builds: dict, rows: list[int], digits: int, reps: int) -> None:
               + "  ".join(f"{b} {layer[b] / layer[first]:.3f}" for b in builds))
 
 
-def attention(builds: dict, reps: int) -> None:
+# The KV caches' flags for lm_paged_attention (float32 q/k/v and out) and their flat sizes.
+KV_FLAGS = {"int8": 16, "bf16": 2}
+
+
+def kv_caches(kv: str, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's zeroed key and value caches in the kernel's layout for ``kv``."""
+    if kv == "int8":
+        return (torch.zeros(num_pages * KVH * (HD + 8) * PAGE, dtype=torch.int8),
+                torch.zeros(num_pages * KVH * (HD + 4) * PAGE, dtype=torch.int8))
+    return (torch.zeros(num_pages * KVH * HD * PAGE, dtype=torch.bfloat16),
+            torch.zeros(num_pages * KVH * HD * PAGE, dtype=torch.bfloat16))
+
+
+def attention(builds: dict, kv: str, reps: int) -> None:
     backend = CpuPagedBackend(AttentionShape(H, KVH, HD))
     num_pages = 16 * 400 // PAGE + 64
     def call(lib, meta, qkv, q_buf, kc, vc, out):
@@ -116,7 +129,7 @@ def attention(builds: dict, reps: int) -> None:
                                ptr(meta.slots.data_ptr()), ptr(q_buf.data_ptr()), ptr(kc.data_ptr()),
                                ptr(vc.data_ptr()), ptr(meta.pages.data_ptr()), ptr(meta.page_offset.data_ptr()),
                                ptr(meta.context.data_ptr()), ptr(out.data_ptr()), T, H, KVH, HD, PAGE,
-                               ctypes.c_float(HD ** -0.5), 16, 2)  # float32 q/k/v and out, int8 KV
+                               ctypes.c_float(HD ** -0.5), KV_FLAGS[kv], 2)
 
     for label, qlens, ctxs in ATTENTION_BATCHES:
         order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(1)).tolist()
@@ -129,8 +142,7 @@ def attention(builds: dict, reps: int) -> None:
         qkv_full = torch.randn(sum(ctxs), (H + 2 * KVH) * HD, generator=torch.Generator().manual_seed(2))
         caches = {}
         for b, lib in builds.items():
-            caches[b] = [(torch.zeros(num_pages * KVH * (HD + 8) * PAGE, dtype=torch.int8),
-                          torch.zeros(num_pages * KVH * (HD + 4) * PAGE, dtype=torch.int8)) for _ in range(LAYERS)]
+            caches[b] = [kv_caches(kv, num_pages) for _ in range(LAYERS)]
             for kc, vc in caches[b]:
                 call(lib, full, qkv_full, torch.empty(sum(ctxs), H, HD), kc, vc, torch.empty(sum(ctxs), H * HD))
         # The step: each sequence's last qlens tokens again (their keys and values rewritten).
@@ -183,6 +195,7 @@ def main() -> None:
     ap.add_argument("--new", default="WORKTREE", help="git revision of the second (default: the files as they are)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
     ap.add_argument("--digits", type=int, choices=[1, 2], default=1)
+    ap.add_argument("--kv", choices=list(KV_FLAGS), default="int8", help="paged_attention: the KV cache")
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -193,7 +206,7 @@ def main() -> None:
         elif args.kernel == "fused_ops":
             fused_ops(builds, args.rows, args.reps)
         else:
-            attention(builds, args.reps)
+            attention(builds, args.kv, args.reps)
 
 
 if __name__ == "__main__":

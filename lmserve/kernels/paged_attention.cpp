@@ -292,38 +292,48 @@ inline void store_row(const float* acc, float l, Out* out, int D) {
   for (int i = 0; i < D; ++i) store_elem(out + i, acc[i] * inv);
 }
 
-// Asks for the keys and values of KV head kvh in `blocks` blocks from key `start` (those before
-// n_keys) in L2. attend_direct asks one chunk ahead: a sequence's pages are scattered, so the
-// hardware prefetcher cannot know them (20-25% on decode over 16 streams; into L1, or two chunks
-// ahead, was slower).
+// Asks for the keys of KV head kvh in the block of 16 from key `start` in L2 (none past n_keys).
+// attend_direct asks one chunk ahead: a sequence's pages are scattered, so the hardware
+// prefetcher cannot know them (20-25% on decode over 16 streams; into L1, or two chunks ahead,
+// was slower). It asks a block at a time, keys while it scores and values while it weights:
+// asking for a whole chunk's lines at once stalled on the core's outstanding misses
+// (kernel_ab.py paged_attention --kv bf16 / int8: decode over 16 streams 7-11% / 0-6% faster).
 template <typename Cache>
-void prefetch_blocks(const Cache* kc, const Cache* vc, const int32_t* pages, int start, int blocks,
-                     int n_keys, int kvh, int KVH, int D, int page_size) {
-  for (int b = 0; b < blocks && start + 16 * b < n_keys; ++b) {
-    const int64_t page_id = pages[(start + 16 * b) / page_size];
-    const int offset = (start + 16 * b) % page_size;
+void prefetch_keys(const Cache* kc, const int32_t* pages, int start, int n_keys, int kvh, int KVH, int D,
+                   int page_size) {
+  if (start >= n_keys) return;
+  const int64_t page_id = pages[start / page_size];
+  const int offset = start % page_size;
+  const Cache* kh = kc + (page_id * KVH + kvh) * (D + kKeyExtra<Cache>) * page_size;
+  if constexpr (kKeyExtra<Cache> > 0) {  // rows of 4 * page_size bytes: D / 4 of codes, scales, sums
+    for (int e = 0; e < D / 4 + 2; ++e) {
+      prefetch_l2(kh + ((int64_t)e * page_size + offset) * 4);
+      prefetch_l2(kh + ((int64_t)e * page_size + offset) * 4 + 63);
+    }
+  } else {
     // A float cache's block of keys is D runs of 16, page_size apart: one line holds one run, or
     // several when pages hold 16 keys.
-    const Cache* kh = kc + (page_id * KVH + kvh) * (D + kKeyExtra<Cache>) * page_size;
-    if constexpr (kKeyExtra<Cache> > 0) {  // rows of 4 * page_size bytes: D / 4 of codes, scales, sums
-      for (int e = 0; e < D / 4 + 2; ++e) {
-        prefetch_l2(kh + ((int64_t)e * page_size + offset) * 4);
-        prefetch_l2(kh + ((int64_t)e * page_size + offset) * 4 + 63);
-      }
-    } else {
-      const int dims_a_line = std::max(1, 64 / (page_size * (int)sizeof(Cache)));
-      for (int d = 0; d < D; d += dims_a_line) prefetch_l2(kh + (int64_t)d * page_size + offset);
-    }
-    if constexpr (kValueExtra<Cache> > 0) {  // the block's 4 rows of D words, its 16 scales
-      const Cache* vh = vc + (page_id * KVH + kvh) * (D + kValueExtra<Cache>) * page_size;
-      for (int x = 0; x < 16 * D; x += 64) prefetch_l2(vh + (int64_t)offset * D + x);
-      prefetch_l2(vh + (int64_t)D * page_size + 4 * offset);
-    } else {
-      const Cache* v = vc + ((page_id * page_size + offset) * KVH + kvh) * D;
-      for (int j = 0; j < 16; ++j)
-        for (int x = 0; x < D * (int)sizeof(Cache); x += 64)
-          prefetch_l2((const char*)(v + (int64_t)j * KVH * D) + x);
-    }
+    const int dims_a_line = std::max(1, 64 / (page_size * (int)sizeof(Cache)));
+    for (int d = 0; d < D; d += dims_a_line) prefetch_l2(kh + (int64_t)d * page_size + offset);
+  }
+}
+
+// The same for the block's values.
+template <typename Cache>
+void prefetch_values(const Cache* vc, const int32_t* pages, int start, int n_keys, int kvh, int KVH,
+                     int D, int page_size) {
+  if (start >= n_keys) return;
+  const int64_t page_id = pages[start / page_size];
+  const int offset = start % page_size;
+  if constexpr (kValueExtra<Cache> > 0) {  // the block's 4 rows of D words, its 16 scales
+    const Cache* vh = vc + (page_id * KVH + kvh) * (D + kValueExtra<Cache>) * page_size;
+    for (int x = 0; x < 16 * D; x += 64) prefetch_l2(vh + (int64_t)offset * D + x);
+    prefetch_l2(vh + (int64_t)D * page_size + 4 * offset);
+  } else {
+    const Cache* v = vc + ((page_id * page_size + offset) * KVH + kvh) * D;
+    for (int j = 0; j < 16; ++j)
+      for (int x = 0; x < D * (int)sizeof(Cache); x += 64)
+        prefetch_l2((const char*)(v + (int64_t)j * KVH * D) + x);
   }
 }
 
@@ -512,9 +522,11 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
   const int64_t k_head = (int64_t)(D + kKeyExtra<Cache>) * page_size;
   const int64_t v_head = (int64_t)(D + kValueExtra<Cache>) * page_size;  // an int8 cache's
   const int64_t v_stride = (int64_t)KVH * D;  // between slots' values in a float cache
-  prefetch_blocks(kc, vc, pages, 0, kChunk, n_keys, kvh, KVH, D, page_size);
+  for (int b = 0; b < kChunk; ++b) {  // the first chunk; each block asks for its next chunk's
+    prefetch_keys(kc, pages, 16 * b, n_keys, kvh, KVH, D, page_size);
+    prefetch_values(vc, pages, 16 * b, n_keys, kvh, KVH, D, page_size);
+  }
   for (int c0 = 0; c0 < n_keys; c0 += 16 * kChunk) {
-    prefetch_blocks(kc, vc, pages, c0 + 16 * kChunk, kChunk, n_keys, kvh, KVH, D, page_size);
     const int nb = std::min(kChunk, (n_keys - c0 + 15) / 16);
     alignas(64) float pj[kChunk][4][16];
     float alpha[kChunk][4];
@@ -523,6 +535,7 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
     alignas(64) float v_scales[kChunk][16];
     for (int b = 0; b < nb; ++b) {
       const int start = c0 + 16 * b;
+      prefetch_keys(kc, pages, start + 16 * kChunk, n_keys, kvh, KVH, D, page_size);
       const int64_t page_id = pages[start / page_size];
       const int offset = start % page_size;
       const Cache* kh = kc + (page_id * KVH + kvh) * k_head;
@@ -567,6 +580,7 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
       }
       for (int d0 = 0; d0 < DV; d0 += 4)  // 64 dimensions at a time: 16 integer accumulators
         for (int b = 0; b < nb; ++b) {
+          if (d0 == 0) prefetch_values(vc, pages, c0 + 16 * (b + kChunk), n_keys, kvh, KVH, D, page_size);
           const int dn = std::min(4, DV - d0);
           __m512i dots[4][4];
           const uint32_t* rows = (const uint32_t*)vb[b];
@@ -578,6 +592,7 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
       for (int d0 = 0; d0 < DV; d0 += 4) {  // 64 dimensions at a time: 16 accumulators
         const int dn = std::min(4, DV - d0);
         for (int b = 0; b < nb; ++b) {
+          if (d0 == 0) prefetch_values(vc, pages, c0 + 16 * (b + kChunk), n_keys, kvh, KVH, D, page_size);
           __m512 a[4][4];
           int n_max = 0;
           // Rows loop to 4 (guarded) so that the compiler unrolls them: a[][] stays in registers.
