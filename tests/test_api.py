@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
 
 from lmserve import AsyncEngine, Engine, SamplingParams
+from lmserve.engine.async_engine import _Mailbox
 from tiny_models import make_gguf_llama, make_hf_llama
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -74,6 +76,37 @@ def test_async_engine_serves_concurrent_requests(tiny_model_dir):
         assert engine.kv_pages_in_use() == 0
     finally:
         engine.shutdown()
+
+
+def test_engine_outputs_reach_their_queues_in_order_one_wake_up_a_burst():
+    """The engine thread's outputs for many streams of one event loop: each queue gets its own in
+    order, a burst posted before the loop runs costs one wake-up (a self-pipe write), a later
+    post wakes it again, and a closed loop is not an error."""
+    loop = asyncio.new_event_loop()
+    wake_ups = []
+    real = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *args: (wake_ups.append(args), real(*args))[1]
+    box = _Mailbox(loop)
+    queues = [asyncio.Queue() for _ in range(3)]
+
+    def from_another_thread(items):
+        thread = threading.Thread(target=lambda: [box.post(queues[i % 3], i) for i in items])
+        thread.start()
+        thread.join()
+
+    def drained():
+        loop.run_until_complete(asyncio.sleep(0))  # runs the scheduled hand-over
+        return [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
+
+    try:
+        from_another_thread(range(30))
+        assert len(wake_ups) == 1
+        assert drained() == [list(range(k, 30, 3)) for k in range(3)]
+        from_another_thread([30])
+        assert len(wake_ups) == 2 and drained() == [[30], [], []]
+    finally:
+        loop.close()
+    from_another_thread([31, 32])  # nobody listens any more: dropped quietly
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:

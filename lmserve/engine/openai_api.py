@@ -257,7 +257,9 @@ async def _stream_async(job: _Job, outputs: AsyncGenerator[RequestOutput, None])
 
 
 async def _run_async(backend: AsyncBackend, job: _Job) -> Any:
-    outputs = _merge([backend.generate(prompt, params, run_id) for run_id, prompt, params in job.runs])
+    streams = [backend.generate(prompt, params, run_id) for run_id, prompt, params in job.runs]
+    # One engine request (one prompt): its own stream, without _merge's task and queue per output.
+    outputs = streams[0] if len(streams) == 1 else _merge(streams)
     if job.stream:
         return _stream_async(job, outputs)
     async with aclosing(outputs):
