@@ -188,11 +188,10 @@ void lm_block_gemm(const void* a, int a_f32, const uint8_t* codes, const float* 
     hi.resize(n);
     lo.resize(n);
     const float* x = (const float*)a;
-#pragma omp parallel for schedule(static) if (n > 32768)
-    for (int64_t i = 0; i < n; ++i) {
+    for_each_row(n, n > 32768, [&](int64_t i) {
       hi[i] = f32_to_bf16(x[i]);
       lo[i] = f32_to_bf16(x[i] - bf16_to_f32(hi[i]));
-    }
+    });
     p.a = hi.data();
     p.a_lo = lo.data();
   }

@@ -20,9 +20,8 @@ constexpr int64_t kParallelFrom = 8192;
 
 template <typename In, typename Out>
 void add_rms_norm(float* x, const In* delta, const float* weight, float eps, Out* out, int T, int D) {
-#pragma omp parallel for schedule(static) if ((int64_t)T * D >= kParallelFrom)
-  for (int t = 0; t < T; ++t) {
-    float* row = x + (int64_t)t * D;
+  for_each_row(T, (int64_t)T * D >= kParallelFrom, [&](int64_t t) {
+    float* row = x + t * D;
     if (delta) {
       const In* d = delta + (int64_t)t * D;
       for (int i = 0; i < D; ++i) row[i] += to_f32(d[i]);
@@ -36,18 +35,17 @@ void add_rms_norm(float* x, const In* delta, const float* weight, float eps, Out
     float sum = reduce16(sq);
     for (; i < D; ++i) sum += row[i] * row[i];
     const float r = 1.0f / std::sqrt(sum / D + eps);
-    Out* o = out + (int64_t)t * D;
+    Out* o = out + t * D;
     for (int j = 0; j < D; ++j) store_elem(o + j, weight[j] * (row[j] * r));
-  }
+  });
 }
 
 template <typename In, typename Out>
 void silu_mul(const In* gate_up, Out* out, int T, int F) {
-#pragma omp parallel for schedule(static) if ((int64_t)T * F >= kParallelFrom)
-  for (int t = 0; t < T; ++t) {
-    const In* g = gate_up + (int64_t)t * 2 * F;
+  for_each_row(T, (int64_t)T * F >= kParallelFrom, [&](int64_t t) {
+    const In* g = gate_up + t * 2 * F;
     const In* u = g + F;
-    Out* o = out + (int64_t)t * F;
+    Out* o = out + t * F;
     int i = 0;
     for (; i + 16 <= F; i += 16) {
       const __m512 gv = load16(g + i);
@@ -60,7 +58,7 @@ void silu_mul(const In* gate_up, Out* out, int T, int F) {
       const float gv = to_f32(g[i]);
       store_elem(o + i, gv / (1.f + std::exp(-gv)) * to_f32(u[i]));
     }
-  }
+  });
 }
 
 }  // namespace

@@ -78,7 +78,7 @@ inline __m512i quantize16(__m512 x, __m512 inv, __m512 d, int8_t* q, int8_t* q2)
 template <typename T>
 void quantize(const T* a, int8_t* q, int8_t* q2, float* scale, float* sum, int M, int K) {
   const int G = K / 32;
-#pragma omp parallel for schedule(static) if ((int64_t)M * K > 2048)  // from a few decode rows on
+#pragma omp for schedule(static)
   for (int64_t b = 0; b < (int64_t)M * G; ++b) {
     const __m512 x0 = load16(a + b * 32), x1 = load16(a + b * 32 + 16);
     const bool nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
@@ -240,7 +240,7 @@ template <int BITS, int DIGITS, int MR, int NR>
 void gemm_tiles(const Args& p) {
   const int groups = (p.N + 15) / 16, strips = (groups + NR - 1) / NR;
   const int chunks = (p.M + kMC - 1) / kMC;
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(static)
   for (int c = 0; c < chunks; ++c)
     for (int s = 0; s < strips; ++s) {
       const int j0 = s * NR, m0 = c * kMC, m_end = std::min(p.M, m0 + kMC);
@@ -276,16 +276,19 @@ void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* co
   std::vector<int8_t> q((size_t)M * K * digits);
   std::vector<float> scale((size_t)M * G), sum((size_t)M * G);
   int8_t* q2 = digits == 2 ? q.data() + (size_t)M * K : nullptr;
-  if (a_f32)
-    quantize((const float*)a, q.data(), q2, scale.data(), sum.data(), M, K);
-  else
-    quantize((const uint16_t*)a, q.data(), q2, scale.data(), sum.data(), M, K);
   const Args p{q.data(), q2, scale.data(), sum.data(), codes, consts, half_consts != 0,
                c, out_bf16 != 0, M, N, K};
-  if (bits == 4)
-    digits == 2 ? gemm<4, 2>(p) : gemm<4, 1>(p);
-  else
-    digits == 2 ? gemm<8, 2>(p) : gemm<8, 1>(p);
+#pragma omp parallel
+  {
+    if (a_f32)
+      quantize((const float*)a, q.data(), q2, scale.data(), sum.data(), M, K);
+    else
+      quantize((const uint16_t*)a, q.data(), q2, scale.data(), sum.data(), M, K);
+    if (bits == 4)
+      digits == 2 ? gemm<4, 2>(p) : gemm<4, 1>(p);
+    else
+      digits == 2 ? gemm<8, 2>(p) : gemm<8, 1>(p);
+  }
 }
 
 // The same with its arguments as 64-bit words, in order, for call lists (call_list.cpp).

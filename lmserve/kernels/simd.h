@@ -1,10 +1,26 @@
-// Small AVX-512 helpers shared by lmserve's kernels: bf16 conversion, 16-lane loads, exp.
+// Small AVX-512 helpers shared by lmserve's kernels: bf16 conversion, 16-lane loads, exp; and
+// for_each_row, an OpenMP loop that may stay on the calling thread.
 #pragma once
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 namespace lm {
+
+// fn(i) for i in [0, n): split over the threads if `parallel`, else on the calling thread with no
+// parallel region at all. Not `omp parallel for if (...)`: libgomp runs that as a one-thread
+// region, after which the next region of two threads pays for waking the other again (a
+// one-row int8 matmul after one took 20% longer: benchmarks/kernel_ab.py int8_gemm --rows 1).
+template <typename Fn>
+inline void for_each_row(int64_t n, bool parallel, Fn fn) {
+  if (parallel) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) fn(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+  }
+}
 
 inline float bf16_to_f32(uint16_t x) {
   uint32_t u = (uint32_t)x << 16;
