@@ -140,10 +140,12 @@ def parse_opt(opt: Optional[str]) -> OptFlags:
         raise ValueError(f"opt: kv_dtype=int8 needs attention=cpu_paged (the C++ kernel reads it), "
                          f"but {opt!r} has attention={flags.attention}")
     if flags.compile and (flags.attention != "torch_native" or flags.weight_dtype not in _DENSE_WEIGHTS):
+        why = (f"attention={flags.attention} is lmserve's C++ kernel" if flags.attention != "torch_native"
+               else f"weight_dtype={flags.weight_dtype} multiplies in lmserve's C++ matmul kernel")
         raise ValueError(
             f"opt: compile=1 compiles the torch path (attention=torch_native with weight_dtype "
-            f"float32 or float16, e.g. 'O0;compile=1'), but {opt!r} has attention={flags.attention}, "
-            f"weight_dtype={flags.weight_dtype}: there the layers already run as one C++ call list")
+            f"float32 or float16, e.g. 'O0;compile=1'), but in {opt!r} {why}, which torch.compile "
+            f"cannot see into")
     return flags
 
 

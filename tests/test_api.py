@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -106,7 +108,36 @@ def test_engine_outputs_reach_their_queues_in_order_one_wake_up_a_burst():
         assert len(wake_ups) == 2 and drained() == [[30], [], []]
     finally:
         loop.close()
-    from_another_thread([31, 32])  # nobody listens any more: dropped quietly
+
+    class Output:  # something the mailbox must not keep once nobody listens
+        pass
+
+    kept = weakref.ref(out := Output())
+    thread = threading.Thread(target=box.post, args=(queues[0], out))
+    thread.start()
+    thread.join()
+    del out
+    gc.collect()
+    assert kept() is None
+
+
+def test_event_loops_that_used_an_async_engine_are_not_kept(tiny_model_dir):
+    engine = AsyncEngine(tiny_model_dir, verbose=False)
+    loops = []
+
+    async def one():
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)):
+            pass
+
+    try:
+        for _ in range(3):
+            asyncio.run(one())
+        engine.stats()  # the engine thread's last command (a request's) is replaced
+        gc.collect()
+        assert [ref() for ref in loops] == [None, None, None]
+    finally:
+        engine.shutdown()
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -248,9 +248,10 @@ def test_knobs_adjust_the_level(opt, expected):
         ("compile=1;compile=0", ["'compile'", "more than once"]),
         ("O0;kv_dtype=int8", ["kv_dtype=int8", "attention=cpu_paged", "attention=torch_native"]),
         # compile=1 compiles torch ops; the C++ paths have none in their layers
-        ("compile=1", ["compile=1", "attention=cpu_paged", "weight_dtype=native", "C++ call list"]),
-        ("weight_dtype=int4;kv_dtype=bf16;compile=1", ["compile=1", "weight_dtype=int4"]),
-        ("O0;weight_dtype=bf16;compile=1", ["compile=1", "weight_dtype=bfloat16", "float32 or float16"]),
+        ("compile=1", ["compile=1", "attention=cpu_paged is lmserve's C++ kernel"]),
+        ("weight_dtype=int4;kv_dtype=bf16;compile=1", ["compile=1", "attention=cpu_paged"]),
+        ("O0;weight_dtype=bf16;compile=1", ["weight_dtype=bfloat16 multiplies in lmserve's C++ matmul",
+                                            "float32 or float16"]),
         ("O0;attention=cpu_paged;compile=1", ["compile=1", "attention=cpu_paged", "'O0;compile=1'"]),
     ],
 )

@@ -23,7 +23,8 @@ class _Mailbox:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        # Weak, so that the engine's map of mailboxes (weak keys: the loops) lets a finished loop go.
+        self._loop = weakref.ref(loop)
         self._lock = threading.Lock()
         self._items: list[tuple[asyncio.Queue, Any]] = []
 
@@ -33,10 +34,14 @@ class _Mailbox:
             self._items.append((queue, item))
             if len(self._items) > 1:
                 return  # a wake-up is already scheduled
+        loop = self._loop()
         try:
-            self._loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the loop is closed: nobody is listening
-            pass
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed or gone: nobody is listening, keep nothing
+            with self._lock:
+                self._items.clear()
 
     def _flush(self) -> None:
         with self._lock:
