@@ -59,8 +59,8 @@ class OptFlags:
     # element-wise layer ops (residual + RMSNorm, SiLU * up).
     attention: AttentionKernel = "torch_native"
     # torch.compile the layers' torch ops around attention (norms, projections, MLP): only on the
-    # torch path (attention=torch_native, dense float32/float16 weights); elsewhere the layers
-    # already run as lmserve's C++ kernels in one call list, and compile=1 is refused.
+    # torch path (attention=torch_native, dense float32/float16 weights); with lmserve's C++
+    # attention or matmul kernels, which torch.compile cannot see into, compile=1 is refused.
     compile: bool = False
 
 

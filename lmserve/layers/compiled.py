@@ -8,8 +8,9 @@ every layer shares the same two graphs instead of compiling one per layer, and t
 tokens is left dynamic after the first shapes (torch.compile's default), so steps of different
 sizes reuse them. Inductor fuses the element-wise ops; the matmuls stay torch's.
 
-The paths with C++ kernels (``attention=cpu_paged``, block weights) have nothing here to compile:
-their layers already run as one C++ call list, and ``parse_opt`` refuses ``compile=1`` there.
+Paths with lmserve's C++ kernels (``attention=cpu_paged``, block weights) are refused by
+``parse_opt``: torch.compile cannot see into them, and on O1-O3 the layers run as one C++ call
+list already.
 """
 
 from __future__ import annotations
