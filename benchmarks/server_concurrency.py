@@ -7,7 +7,7 @@ concurrency 16: about 95 output tokens/s, median TTFT about 7 s; quoted, not re-
 llama-cpp-python has no batched server). Prints the table with the ratio to that figure and
 draws output tokens/s against concurrency.
 
-    .venv/bin/python benchmarks/server_concurrency.py [--concurrency 1 4 16 64] [--plot FILE.png]
+    .venv/bin/python benchmarks/server_concurrency.py [--concurrency 1 4 16 64] [--repeats 3] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,12 +38,32 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
     raise TimeoutError("server did not become ready")
 
 
+def bench(lmserve: list[str], url: str, concurrency: int, seed: int) -> dict:
+    """One ``lmserve bench`` run at ``concurrency``: max(64, 2C) requests, its result file's dict."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_file = f.name
+    try:
+        subprocess.run([*lmserve, "bench", "--base-url", url, "--dataset", "random",
+                        "--num-prompts", str(max(64, 2 * concurrency)), "--random-input-len", "261",
+                        "--random-output-len", "128", "--random-range-ratio", "0",
+                        "--ignore-eos", "--max-concurrency", str(concurrency), "--no-progress",
+                        # new prompts for every run: the prefix cache must not serve them
+                        "--seed", str(seed),
+                        "--result-file", result_file], check=True, stdout=subprocess.DEVNULL)
+        with open(result_file) as f:
+            return json.load(f)
+    finally:
+        os.unlink(result_file)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--port", type=int, default=8431)
     ap.add_argument("--opt", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per concurrency (new prompts each); the table shows their medians and range")
     args = ap.parse_args()
     url = f"http://127.0.0.1:{args.port}"
     lmserve = [sys.executable, "-m", "lmserve.cli"]
@@ -54,28 +75,22 @@ def main() -> None:
     try:
         wait_ready(url, proc)
         for c in args.concurrency:
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-                result_file = f.name
-            subprocess.run([*lmserve, "bench", "--base-url", url, "--dataset", "random",
-                            "--num-prompts", str(max(64, 2 * c)), "--random-input-len", "261",
-                            "--random-output-len", "128", "--random-range-ratio", "0",
-                            "--ignore-eos", "--max-concurrency", str(c), "--no-progress",
-                            # new prompts for every run: the prefix cache must not serve them
-                            "--seed", str(c),
-                            "--result-file", result_file], check=True, stdout=subprocess.DEVNULL)
-            with open(result_file) as f:
-                r = json.load(f)
-            os.unlink(result_file)
-            rows.append((c, r["output_throughput"], r["median_ttft_ms"], r["median_tpot_ms"]))
+            runs = [bench(lmserve, url, c, seed=c + 1000 * i) for i in range(args.repeats)]
+            rows.append((c, *(statistics.median(r[k] for r in runs)
+                              for k in ("output_throughput", "median_ttft_ms", "median_tpot_ms")),
+                         [r["output_throughput"] for r in runs]))
     finally:
         proc.terminate()
         proc.wait(30)
 
     print(f"\nlmserve serve (built-in model, mode=server, opt={args.opt or 'default'}); "
-          f"261 prompt + 128 output tokens per request")
-    print(f"{'concurrency':>11} {'output tok/s':>13} {'x llama.cpp c16':>16} {'median TTFT ms':>15} {'median TPOT ms':>15}")
-    for c, tput, ttft, tpot in rows:
-        print(f"{c:11d} {tput:13.1f} {tput / LLAMA_CPP_C16_TOKS:16.2f} {ttft:15.0f} {tpot:15.1f}")
+          f"261 prompt + 128 output tokens per request"
+          + (f"; medians of {args.repeats} runs" if args.repeats > 1 else ""))
+    print(f"{'concurrency':>11} {'output tok/s':>13} {'x llama.cpp c16':>16} {'median TTFT ms':>15} "
+          f"{'median TPOT ms':>15}" + ("  runs (output tok/s)" if args.repeats > 1 else ""))
+    for c, tput, ttft, tpot, each in rows:
+        print(f"{c:11d} {tput:13.1f} {tput / LLAMA_CPP_C16_TOKS:16.2f} {ttft:15.0f} {tpot:15.1f}"
+              + ("  " + " ".join(f"{t:.1f}" for t in each) if args.repeats > 1 else ""))
     if args.plot:
         import matplotlib
 
