@@ -18,6 +18,7 @@ from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
+from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.fused import FusedOps, TorchOps
 from lmserve.layers.linear import FLOAT_DTYPES, resolve_act_dtype, resolve_weight_format
 from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
@@ -82,7 +83,7 @@ class EngineCore:
         ops = TorchOps()
         if isinstance(backend, CpuPagedBackend):
             ops = FusedOps.create() or ops
-        compiled = model.compiled_ops() if opt.compile else None
+        compiled = CompiledLayerOps() if opt.compile else None  # parse_opt allows it on dense weights only
         self.runner = ModelRunner(model, kv, backend, ops, plan.max_single_sequence_length, self.device,
                                   compiled)
         self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)

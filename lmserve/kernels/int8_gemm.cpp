@@ -75,6 +75,7 @@ inline __m512i quantize16(__m512 x, __m512 inv, __m512 d, int8_t* q, int8_t* q2)
 // scale: the value of one unit of the last digit; sum: the block's sum of quantized values.
 // A block holding a NaN or an infinity gets a NaN scale, so its outputs are NaN rather than
 // finite nonsense; a block too small for 127 / max|a| to be finite is quantized as zero.
+// A worksharing loop: every thread of lm_int8_gemm's parallel region calls it, as gemm_tiles.
 template <typename T>
 void quantize(const T* a, int8_t* q, int8_t* q2, float* scale, float* sum, int M, int K) {
   const int G = K / 32;

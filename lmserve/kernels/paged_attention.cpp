@@ -86,6 +86,7 @@ inline void rotate_head(const Src* x, const float* cos, const float* sin, Dst* d
   }
 }
 
+// rope_and_store and attention are worksharing loops: every thread of run()'s region calls them.
 template <typename QKV, typename Cache>
 void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const int64_t* slots,
                     float* q_out, Cache* kc, Cache* vc, int T, int H, int KVH, int D,

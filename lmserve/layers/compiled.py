@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.layers.fused import TorchOps
-from lmserve.layers.linear import DenseLinear
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -48,8 +47,3 @@ class CompiledLayerOps:
     def __init__(self) -> None:
         self.before_attention = torch.compile(_before_attention)
         self.after_attention = torch.compile(_after_attention)
-
-
-def compilable(*linears: object) -> bool:
-    """Whether layers with these linear layers can run compiled (all dense torch matmuls)."""
-    return all(isinstance(m, DenseLinear) for m in linears)

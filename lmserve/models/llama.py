@@ -16,7 +16,7 @@ from lmserve.attention.cpu_paged import CpuPagedBackend
 from lmserve.cache.kv import KVCache
 from lmserve.layers.blocks import BlockWeight
 from lmserve.layers.call_list import THREADS, Arg, CallList, Slot, call_lists_available
-from lmserve.layers.compiled import CompiledLayerOps, compilable
+from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.fused import FusedOps, TorchOps
 from lmserve.layers.linear import ACT_TENSOR_DTYPES, BlockLinear, Weight, make_linear
 from lmserve.layers.rotary import RotaryEmbedding
@@ -169,15 +169,6 @@ class LlamaModel:
         calls = [call for i, layer in enumerate(self.layers)
                  for call in layer.packed_calls(backend, ops, kv.k[i], kv.v[i], first=i == 0)]
         return LayerCalls(CallList(calls), self.layers[0].buffers())
-
-    def compiled_ops(self) -> CompiledLayerOps:
-        """The layers' compiled graphs (opt compile=1); raises ``ValueError`` unless every layer
-        is torch ops apart from attention (dense weights, no C++ matmul)."""
-        linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if not compilable(*linears):
-            raise ValueError("opt compile=1 needs dense float32/float16 weights (the torch path); "
-                             "these layers multiply in lmserve's C++ matmul kernel")
-        return CompiledLayerOps()
 
     def rotary(self, max_positions: int, device: torch.device) -> RotaryEmbedding:
         a = self.args
