@@ -8,14 +8,42 @@ from lmserve.cache.kv import KVCache
 from lmserve.cache.pages import OutOfPages, PagePool, pages_needed
 
 
-def test_alloc_hands_out_lowest_ids_first_and_recycles_in_release_order():
+def test_alloc_hands_out_lowest_ids_first_then_the_most_recently_freed():
     pool = PagePool(4)
     assert pool.alloc(2) == [0, 1]
     assert pool.alloc(1) == [2]
     pool.release([1, 0])
     assert pool.num_free == 3
-    assert pool.alloc(3) == [3, 1, 0]
+    assert pool.alloc(3) == [0, 1, 3]  # warm pages before one never used
     assert pool.num_free == 0
+
+
+def test_short_requests_one_after_another_reuse_the_same_pages():
+    """Resident memory follows the pages ever handed out: sequential traffic must stay on a few."""
+    pool = PagePool(1000)
+    seen = set()
+    for i in range(500):
+        pages = pool.alloc(1 + i % 3)
+        seen.update(pages)
+        pool.release(pages)
+    assert seen == {0, 1, 2}
+
+
+def test_idle_pages_are_the_used_ones_free_long_enough_each_reported_once(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("lmserve.cache.pages.time.monotonic", lambda: clock[0])
+    pool = PagePool(8)
+    a = pool.alloc(3)
+    pool.release(a[:2])
+    clock[0] += 10
+    b = pool.alloc(1)  # takes a[1] back: no longer idle
+    pool.release(a[2:])
+    assert pool.idle_pages(5.0) == [a[0]]  # a[2] was freed just now; never-used pages never count
+    assert pool.idle_pages(5.0) == []
+    clock[0] += 10
+    assert pool.idle_pages(5.0) == [a[2]]
+    pool.release(b)
+    assert pool.idle_pages(0.0) == b
 
 
 def test_alloc_is_all_or_nothing():
@@ -80,6 +108,23 @@ def test_kv_cache_reads_as_zeros_and_takes_memory_only_where_written():
     assert _memory_mib(k) < 1
     k[:] = 1  # now every byte of one layer's keys
     assert _memory_mib(k) > 100
+
+
+def test_discarded_pages_read_as_zeros_and_give_their_memory_back():
+    kv = KVCache(num_layers=2, num_pages=4096, page_size=16, num_kv_heads=4, head_dim=64,
+                 dtype=torch.bfloat16, keys_transposed=True)  # 8 KiB a page and buffer
+    for t in kv.k + kv.v:
+        t.view(-1)[:] = 1
+    assert all(_memory_mib(t) > 30 for t in kv.k + kv.v)
+    kv.discard([*range(0, 4000), 4001])
+    for t in kv.k + kv.v:
+        # What is left: 95 pages of each of the 4 buffers (3 MiB; adjacent maps may show as one).
+        assert _memory_mib(t) < 4
+        pages = t.view(4096, -1)
+        assert pages[:4000].eq(0).all() and pages[4001].eq(0).all()
+        assert pages[4000].eq(1).all() and pages[4002:].eq(1).all()  # kept: not discarded
+    kv.k[0].view(4096, -1)[7] = 2  # discarded memory is ordinary memory again when written
+    assert kv.k[0].view(4096, -1)[7].eq(2).all()
 
 
 def test_kv_cache_transposed_keys_hold_each_pages_keys_by_dimension():

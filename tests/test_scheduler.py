@@ -106,7 +106,7 @@ def test_newest_running_sequence_is_preempted_when_pages_run_out():
     assert pool.num_free == 0
     # a's 9th token needs a third page: b (newest) gives its pages back and waits at the head.
     assert run(s) == [("a", 1, True)]
-    assert a.pages == [0, 1, 2] and b.pages == []
+    assert a.pages == [0, 1, 3] and b.pages == []  # the page b freed last
     assert b.status is SeqStatus.WAITING and b.num_computed == 0 and s.waiting[0] is b
     assert s.num_preemptions == 1
     # b's 9 tokens (prompt + its sampled token) come back once a finishes.

@@ -122,3 +122,27 @@ def test_any_split_gives_the_unsplit_result(text, stops, cuts, include):
 @given(text=st.text(_alphabet, max_size=40), stops=_stops, include=st.booleans())
 def test_one_char_pieces_give_the_unsplit_result(text, stops, include):
     assert run(list(text), stops, include) == reference_cut(text, stops, include)
+
+
+def test_a_long_stop_string_costs_linear_time_and_memory():
+    # A 40,000-character stop string that the text keeps almost matching: the quadratic checker
+    # this replaced built every prefix of it (2.3 GB, seconds of engine time per choice).
+    import time
+    import tracemalloc
+
+    stop = "a" * 39_999 + "b"
+    tracemalloc.start()
+    start = time.perf_counter()
+    checkers = [StopChecker([stop], False) for _ in range(4)]
+    emitted = ["" for _ in checkers]
+    for _ in range(500):
+        for i, checker in enumerate(checkers):
+            emitted[i] += checker.feed("a" * 100)[0]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    elapsed = time.perf_counter() - start
+    assert emitted == ["a" * (50_000 - 39_999)] * 4  # the tail that could still become the stop
+    assert checkers[0].feed("b") == ("", stop)  # the held tail was the stop string's start
+    assert checkers[1].feed("c") == ("a" * 39_999 + "c", None)  # ... or not
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB"
+    assert elapsed < 5.0, f"{elapsed:.1f} s"

@@ -8,20 +8,35 @@ import mmap
 import torch
 
 
-def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zero tensor whose CPU memory is taken page by page as it is first written.
+class OnDemandBuffer:
+    """A zero tensor whose CPU memory is taken page by page as it is first written, and can be
+    given back.
 
     Anonymous memory maps read as zeros and cost nothing until touched, so a server-sized cache
-    (tens of GiB) is ready at once instead of after writing every byte, and the process's
-    resident memory shows the KV actually used. Other devices get ``torch.zeros``.
+    (tens of GiB) is ready at once instead of after writing every byte. ``discard`` hands a byte
+    range's memory back to the system (it reads as zeros again), so that the process's resident
+    memory follows the KV in use, not the most it ever held. Other devices get ``torch.zeros``.
     """
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    # The tensor keeps the map alive; the map is unmapped when the tensor is freed.
-    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> None:
+        nbytes = math.prod(shape) * dtype.itemsize
+        self._map: mmap.mmap | None = None
+        if torch.device(device).type != "cpu" or nbytes == 0:
+            self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+            return
+        # The tensor keeps the map alive; the map is unmapped when both are gone.
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+        self.tensor = torch.frombuffer(self._map, dtype=dtype).view(shape)
+
+    def discard(self, start: int, end: int) -> None:
+        """Give back the memory of the system pages wholly inside bytes ``[start, end)``; they
+        read as zeros afterwards. Pages only partly inside keep their memory (and contents)."""
+        if self._map is None:
+            return
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 # An int8 cache's values are stored 4 tokens to a word (see KVCache), so its pages hold a
@@ -87,5 +102,25 @@ class KVCache:
         by_slot = (num_pages * page_size, num_kv_heads, v_dim)
         k_shape = (num_pages, num_kv_heads, k_dim, page_size) if keys_transposed else by_slot
         v_shape = (num_pages, num_kv_heads, v_dim, page_size) if dtype == torch.int8 else by_slot
-        self.k = [zeros_on_demand(k_shape, dtype, device) for _ in range(num_layers)]
-        self.v = [zeros_on_demand(v_shape, dtype, device) for _ in range(num_layers)]
+        self.num_pages = num_pages
+        self._buffers = [OnDemandBuffer(shape, dtype, device)
+                         for _ in range(num_layers) for shape in (k_shape, v_shape)]
+        self.k = [b.tensor for b in self._buffers[0::2]]
+        self.v = [b.tensor for b in self._buffers[1::2]]
+
+    def discard(self, pages: list[int]) -> None:
+        """Give the memory of free ``pages`` back to the system (their KV reads as zeros then).
+
+        Every buffer is laid out page by page, so a run of consecutive pages is one byte range
+        per buffer; system pages shared with a neighbouring KV page stay (see ``OnDemandBuffer``).
+        """
+        runs: list[list[int]] = []
+        for p in sorted(pages):
+            if runs and runs[-1][1] == p:
+                runs[-1][1] = p + 1
+            else:
+                runs.append([p, p + 1])
+        for buffer in self._buffers:
+            page_bytes = buffer.tensor.nbytes // self.num_pages
+            for first, end in runs:
+                buffer.discard(first * page_bytes, end * page_bytes)

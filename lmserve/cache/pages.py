@@ -3,11 +3,17 @@
 The pool only hands out page ids; the KV tensors themselves live in :class:`~lmserve.cache.kv.KVCache`
 and are indexed by ``page * page_size + offset`` (a "slot"). Reference counts let a page be shared
 (prefix cache, forked sequences) and return it to the free list only when its last owner lets go.
+
+The free list is a stack: the page freed last is handed out first. A page's memory is taken from
+the system when it is first written (see ``zeros_on_demand``), so reusing the same few pages keeps
+the process's resident memory at the KV in use; handing out the oldest free page instead walked
+every allocation onto untouched memory until the whole pool was resident. Pages that stay free
+long enough are reported by ``idle_pages`` so that their memory can go back to the system.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
 
 
 class OutOfPages(Exception):
@@ -17,7 +23,7 @@ class OutOfPages(Exception):
 class PagePool:
     """A fixed set of ``num_pages`` pages with reference counts.
 
-    Free pages are handed out lowest id first and returned to the back of the queue, so the
+    Free pages are handed out most recently freed first (lowest id first at the start), so the
     ids a test sees are deterministic.
     """
 
@@ -25,8 +31,9 @@ class PagePool:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the end is handed out next
         self._refs = [0] * num_pages
+        self._freed_at: dict[int, float] = {}  # free pages written since their memory was given back
 
     @property
     def num_free(self) -> int:
@@ -43,9 +50,10 @@ class PagePool:
         """Take ``n`` free pages, each with one owner; all or nothing."""
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(n)]
+        pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
+            self._freed_at.pop(p, None)
         return pages
 
     def share(self, pages: list[int]) -> None:
@@ -63,6 +71,17 @@ class PagePool:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
+                self._freed_at[p] = time.monotonic()
+
+    def idle_pages(self, min_idle_s: float) -> list[int]:
+        """Free pages that have been free for ``min_idle_s`` seconds and were used before; each is
+        reported once (until it is used and freed again), so that the caller can give its
+        memory back to the system."""
+        cutoff = time.monotonic() - min_idle_s
+        idle = [p for p, t in self._freed_at.items() if t <= cutoff]
+        for p in idle:
+            del self._freed_at[p]
+        return idle
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

@@ -36,6 +36,10 @@ from lmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("lmserve")
 
+# KV pages free this long give their memory back to the system (see PagePool.idle_pages). Long
+# enough that a page freed by one request is usually taken again by the next while it is warm.
+KV_IDLE_RELEASE_S = 5.0
+
 
 @dataclass
 class _Counters:
@@ -167,6 +171,14 @@ class EngineCore:
             prefix_cache_queried_tokens=sched.prefix_queried_tokens,
             prefix_cache_hit_tokens=sched.prefix_hit_tokens,
         )
+
+    def release_idle_memory(self) -> int:
+        """Give the memory of pages free for ``KV_IDLE_RELEASE_S`` back to the system; returns
+        how many pages it was."""
+        pages = self.pool.idle_pages(KV_IDLE_RELEASE_S)
+        if pages:
+            self.runner.kv.discard(pages)
+        return len(pages)
 
     # -- the step ------------------------------------------------------------------------------
 

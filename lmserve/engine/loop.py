@@ -24,6 +24,7 @@ logger = logging.getLogger("lmserve")
 
 Sink = Callable[[Union[RequestOutput, BaseException]], None]
 STATS_INTERVAL_S = 10.0
+RELEASE_INTERVAL_S = 1.0  # how often idle KV pages are looked for, busy or not
 _T = TypeVar("_T")
 
 
@@ -105,13 +106,13 @@ class EngineLoop:
             built.set_exception(exc)
             return
         built.set_result(self.core)
-        last_log = time.monotonic()
+        last_log = last_release = time.monotonic()
         logged = (0, 0)
         while not self._stopped:
             if not self.core.has_work():  # block only when idle: a busy engine never waits
                 with self._lock:
                     self._parked = self._pending == 0
-                cmd = self._commands.get()
+                cmd = self._wait_for_command()
                 with self._lock:
                     self._parked = False  # before the command is handled and counted as done
                 self._handle(cmd)
@@ -126,12 +127,23 @@ class EngineLoop:
             for out in outputs:
                 self._deliver(out)
             now = time.monotonic()
+            if now - last_release >= RELEASE_INTERVAL_S:
+                self.core.release_idle_memory()
+                last_release = now
             if self.core.config.verbose and now - last_log >= STATS_INTERVAL_S:
                 logged = self._log_stats(now - last_log, logged)
                 last_log = now
         self._fail_all(RuntimeError("the engine was shut down"))
         with self._lock:
             self._parked = True
+
+    def _wait_for_command(self) -> tuple:
+        """The next command; while none comes, idle KV pages give their memory back."""
+        while True:
+            try:
+                return self._commands.get(timeout=RELEASE_INTERVAL_S)
+            except queue.Empty:
+                self.core.release_idle_memory()
 
     def _handle(self, cmd: tuple) -> None:
         try:
