@@ -216,8 +216,11 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     try:
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-            max_waiting=args.max_waiting, served_model_name=args.served_model_name,
-            shutdown_grace=args.shutdown_grace)
+            max_waiting=args.max_waiting, max_waiting_tokens=args.max_waiting_tokens,
+            max_seqs_per_request=args.max_seqs_per_request, max_stop_chars=args.max_stop_chars,
+            served_model_name=args.served_model_name, shutdown_grace=args.shutdown_grace,
+            header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+            keep_alive_timeout=args.keep_alive_timeout)
     except ValueError as err:
         parser.error(str(err))
     # FastAPI and uvicorn load only for this command.
@@ -227,7 +230,7 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     engine = _load(AsyncEngine, config, parser)
     try:
         serve(engine, settings, log_level=args.log_level)
-    except KeyboardInterrupt:  # a second Ctrl-C, which skips the drain
+    except KeyboardInterrupt:  # Ctrl-C before the server's own signal handlers were in place
         return 130
     finally:
         engine.shutdown()  # serve already did, unless it failed to start
@@ -253,12 +256,28 @@ def _add_serve(commands: Any) -> None:
     http.add_argument("--max-body-bytes", type=int, metavar="N", default=d.max_body_bytes,
                       help="larger request bodies get 413 (default: %(default)s)")
     http.add_argument("--max-waiting", type=int, metavar="N", default=d.max_waiting,
-                      help="generation requests in flight before new ones get 429 (default: %(default)s)")
+                      help="sequences (prompts x n) of the generation requests in flight before new "
+                           "ones get 429 (default: %(default)s)")
+    http.add_argument("--max-waiting-tokens", type=int, metavar="N", default=d.max_waiting_tokens,
+                      help="prompt tokens (times n) in flight before new requests get 429 "
+                           "(default: four times what the KV cache holds)")
+    http.add_argument("--max-seqs-per-request", type=int, metavar="N", default=d.max_seqs_per_request,
+                      help="sequences (prompts x n) one request may start, which also bounds its "
+                           "list of prompts; more get 400 (default: half the batch, --max-num-sequence)")
+    http.add_argument("--max-stop-chars", type=int, metavar="N", default=d.max_stop_chars,
+                      help="characters of one stop string; longer ones get 400 (default: %(default)s)")
     http.add_argument("--served-model-name", metavar="NAME",
                       help="the model name clients send and see (default: the model's file or "
                            "directory name)")
     http.add_argument("--shutdown-grace", type=float, metavar="S", default=d.shutdown_grace,
                       help="seconds running requests get to finish after SIGTERM (default: %(default)s)")
+    http.add_argument("--header-timeout", type=float, metavar="S", default=d.header_timeout,
+                      help="seconds a connection gets to send a request's headers, from its opening "
+                           "or its previous answer; then it is closed (default: %(default)s)")
+    http.add_argument("--body-timeout", type=float, metavar="S", default=d.body_timeout,
+                      help="seconds to receive a request's whole body, else 408 (default: %(default)s)")
+    http.add_argument("--keep-alive-timeout", type=float, metavar="S", default=d.keep_alive_timeout,
+                      help="seconds an idle connection stays open after an answer (default: %(default)s)")
     http.add_argument("--log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug", "trace"],
                       help="uvicorn's log level; 'warning' drops the access log (default: %(default)s)")

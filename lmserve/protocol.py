@@ -46,6 +46,9 @@ from lmserve.sampling_params import (
 )
 
 MAX_N = 128  # OpenAI's limit on choices per request
+# Levels of nested lists and objects in a request. A tool's parameter schema nested 900 deep
+# passed the JSON parser and then overflowed the stack of whatever walked it (a 500).
+MAX_NESTING = 64
 
 
 class InvalidRequestError(ValueError):
@@ -73,10 +76,43 @@ class InvalidRequestError(ValueError):
         return cls("; ".join(lines), param)
 
 
-class _Strict(BaseModel):
-    """Base of every request-side model: unknown fields are an error, not silently dropped."""
+def check_json_values(data: Any, max_nesting: int = MAX_NESTING) -> None:
+    """Refuse what JSON lets through but no request may hold: nesting deeper than
+    ``max_nesting`` levels, and strings with lone UTF-16 surrogates (``"\\ud800"`` is valid JSON
+    but not Unicode: no tokenizer or UTF-8 encoder takes it). Raises ``InvalidRequestError``
+    naming the path of the value at fault."""
+    stack: list[tuple[Any, tuple, int]] = [(data, (), 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                where = ".".join(map(str, path)) or "request"
+                raise InvalidRequestError(
+                    f"{where}: the text holds a lone UTF-16 surrogate (U+{ord(value[err.start]):04X} at "
+                    f"character {err.start}), which is not valid Unicode", str(path[0]) if path else None
+                ) from None
+            continue
+        if isinstance(value, dict):
+            items = [(k, v) for k, v in value.items()] + [(k, k) for k in value if isinstance(k, str)]
+        elif isinstance(value, (list, tuple)):
+            items = list(enumerate(value))
+        else:
+            continue
+        if depth >= max_nesting:
+            where = ".".join(map(str, path[:6])) + (".…" if len(path) > 6 else "")
+            raise InvalidRequestError(f"{where}: nested deeper than this server's limit of "
+                                      f"{max_nesting} levels", str(path[0]) if path else None)
+        stack.extend((v, (*path, k), depth + 1) for k, v in items)
 
-    model_config = ConfigDict(extra="forbid")
+
+class _Strict(BaseModel):
+    """Base of every request-side model: unknown fields are an error, not silently dropped, and
+    values are taken as they are typed (``"2"`` is no int, ``true`` no 1, ``"yes"`` no bool), as
+    OpenAI's API takes them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,6 +238,7 @@ class StreamOptions(_Strict):
 _Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 _Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 _TokenId = Annotated[int, Field(ge=0)]
+_TokenIdKey = Annotated[int, Field(ge=0, strict=False)]  # JSON object keys are strings: "50256"
 _R = TypeVar("_R", bound="GenerationRequest")
 
 
@@ -220,7 +257,7 @@ class GenerationRequest(_Strict):
     presence_penalty: Optional[_Penalty] = None
     frequency_penalty: Optional[_Penalty] = None
     # OpenAI sends the token ids as JSON object keys, i.e. strings; pydantic parses them to int.
-    logit_bias: Optional[dict[_TokenId, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]] = None
+    logit_bias: Optional[dict[_TokenIdKey, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]]] = None
     user: Optional[str] = None  # accepted for compatibility, not used
     # lmserve extensions (vLLM spelling)
     top_k: Optional[Annotated[int, Field(ge=-1)]] = None  # -1 or 0: no top-k cut
@@ -237,6 +274,7 @@ class GenerationRequest(_Strict):
     @classmethod
     def parse(cls: type[_R], data: Any) -> _R:
         """Validate a request body (a mapping), raising ``InvalidRequestError`` naming the field."""
+        check_json_values(data)
         try:
             return cls.model_validate(data)
         except ValidationError as err:
@@ -249,6 +287,10 @@ class GenerationRequest(_Strict):
         if stop == "" or (isinstance(stop, list) and "" in stop):
             raise ValueError("stop strings must not be empty")
         return stop
+
+    def stop_strings(self) -> list[str]:
+        """The stop strings, as a list."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
     def wants_usage_chunk(self) -> bool:
@@ -293,7 +335,7 @@ class GenerationRequest(_Strict):
             top_p=1.0 if self.top_p is None else self.top_p,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop=self.stop_strings(),
             logprobs=self._logprobs(),
         )
         # Fields OpenAI has no default for, and the extensions: only when set, so that

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -70,9 +71,26 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return len(self._hf)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for.
+
+        A vocabulary piece has at least as many characters as the text it stands for: byte-level
+        pieces spell each byte as one character, SentencePiece pieces each character as itself.
+        A normalizer may shrink text before it is split (NFKC composes characters), so with one
+        the bound is four times looser.
+        """
+        longest = max(len(piece) for piece in self._hf.get_vocab())
+        return longest * (4 if self._backend.normalizer is not None else 1)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds the tokenizer's bos/eos decoration."""
-        return self._hf.encode(text, add_special_tokens=add_special_tokens)
+        """Token ids of ``text``; ``add_special_tokens`` adds the tokenizer's bos/eos decoration.
+
+        Safe from several threads at once: the Rust tokenizer is only read. (transformers' own
+        encode may first reset truncation and padding on the shared Rust object, which PyO3
+        refuses while another thread encodes: "RuntimeError: Already borrowed".)
+        """
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; an incomplete UTF-8 character decodes to U+FFFD."""

@@ -43,6 +43,8 @@ class FakeHF:
 
 
 class FakeTokenizer:
+    max_token_chars = 1  # one character a token
+
     def __init__(self) -> None:
         self.hf = FakeHF()
         self.rendered: list[tuple[list[dict], Optional[list[dict]]]] = []
@@ -95,6 +97,11 @@ class FakeBackend:
         self.script = script
         self.calls: list[tuple[str, list[int], SamplingParams]] = []
         self.aborted: list[str] = []
+
+    def validate(self, prompt_token_ids, params):
+        if any(t >= 0x110000 for t in prompt_token_ids):  # as the engine refuses ids past its vocabulary
+            raise InvalidRequestError(f"prompt token id {max(prompt_token_ids)} is outside the vocabulary",
+                                      "prompt")
 
     def generate(self, prompt_token_ids, params, request_id):
         self.calls.append((request_id, prompt_token_ids, params))

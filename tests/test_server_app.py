@@ -12,7 +12,7 @@ import pytest
 from conftest import wait_idle
 from lmserve import AsyncEngine
 from lmserve.cli import build_parser
-from lmserve.server.admission import AdmissionGate
+from lmserve.server.admission import AdmissionGate, Weight
 from lmserve.server.app import create_app
 from lmserve.server.errors import APIError
 from lmserve.server.settings import ServerSettings
@@ -86,29 +86,45 @@ def test_metrics_count_engine_failures(flaky_engine):
     assert metrics.registry is not create_app(flaky_engine).state.lmserve.metrics.registry
 
 
-def test_admission_gate_bounds_and_drains():
-    gate = AdmissionGate(max_in_flight=2)
-    gate.enter()
-    gate.enter()
+def test_admission_gate_weighs_requests_by_sequences_and_tokens_and_drains():
+    gate = AdmissionGate(max_sequences=4, max_tokens=100)
+    big, small = Weight(sequences=3, tokens=10), Weight(sequences=1, tokens=10)
+    gate.enter(big)
     with pytest.raises(APIError) as full:
-        gate.enter()
-    assert full.value.status == 429
+        gate.enter(Weight(sequences=2, tokens=1))  # 5 sequences
+    assert full.value.status == 429 and "4 sequences in flight (3 now, this request 2)" in full.value.message
+    with pytest.raises(APIError) as full:
+        gate.enter(Weight(sequences=1, tokens=91))  # 101 tokens
+    assert full.value.status == 429 and "100 prompt tokens" in full.value.message
+    gate.enter(small)
+    gate.leave(big)
+    gate.leave(small)
+    assert (gate.in_flight, gate.sequences, gate.tokens) == (0, 0, 0)
+    alone = Weight(sequences=1, tokens=1000)
+    gate.enter(alone)  # more tokens than the bound, but alone: admitted
     gate.start_draining(grace=60)
     with pytest.raises(APIError) as closed:
-        gate.enter()
+        gate.enter(small)
     assert closed.value.status == 503
     assert not gate.drained()
-    gate.leave()
-    gate.leave()
+    gate.leave(alone)
     assert gate.drained()
-    late = AdmissionGate(max_in_flight=1)
-    late.enter()
+    late = AdmissionGate(max_sequences=1, max_tokens=1)
+    late.enter(small)
     late.start_draining(grace=0)
     assert late.drained()  # the grace period is over even though a request still runs
+    later = AdmissionGate(max_sequences=1, max_tokens=1)
+    later.enter(small)
+    later.start_draining(grace=60)
+    later.stop_waiting()  # a second signal
+    assert later.drained()
 
 
 @pytest.mark.parametrize("change", [dict(port=70000), dict(max_body_bytes=0), dict(max_waiting=0),
-                                    dict(shutdown_grace=-1), dict(api_key="")])
+                                    dict(shutdown_grace=-1), dict(api_key=""), dict(max_waiting_tokens=0),
+                                    dict(max_seqs_per_request=0), dict(max_stop_chars=0),
+                                    dict(header_timeout=0), dict(body_timeout=-1),
+                                    dict(keep_alive_timeout=float("nan"))])
 def test_settings_refuse_bad_values(change):
     with pytest.raises(ValueError):
         ServerSettings(**change)
@@ -117,8 +133,13 @@ def test_settings_refuse_bad_values(change):
 def test_serve_flags():
     args = build_parser().parse_args(["serve", "--model", "m", "--port", "9000", "--api-key", "k",
                                       "--max-waiting", "3", "--served-model-name", "n",
-                                      "--shutdown-grace", "2.5", "--max-num-sequence", "8"])
+                                      "--shutdown-grace", "2.5", "--max-num-sequence", "8",
+                                      "--max-waiting-tokens", "900", "--max-seqs-per-request", "5",
+                                      "--max-stop-chars", "7", "--header-timeout", "1.5",
+                                      "--body-timeout", "2", "--keep-alive-timeout", "3"])
     assert (args.host, args.port, args.api_key, args.max_waiting) == ("127.0.0.1", 9000, "k", 3)
+    assert (args.max_waiting_tokens, args.max_seqs_per_request, args.max_stop_chars) == (900, 5, 7)
+    assert (args.header_timeout, args.body_timeout, args.keep_alive_timeout) == (1.5, 2, 3)
     assert (args.served_model_name, args.shutdown_grace, args.max_num_sequence) == ("n", 2.5, 8)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--port", "x"])

@@ -7,6 +7,7 @@ import signal
 from collections.abc import Iterator
 
 import httpx
+import pytest
 
 from server_process import ServerProcess
 
@@ -41,8 +42,12 @@ def test_sigterm_lets_the_running_stream_finish_then_exits_0(tiny_model_dir, tmp
         server.stop()
 
 
-def test_requests_past_the_grace_period_end_with_an_error_then_exit_0(tiny_model_dir, tmp_path):
-    server = ServerProcess(["--model", tiny_model_dir, "--shutdown-grace", "0.5"],
+@pytest.mark.parametrize("grace, signals", [(0.5, 1), (120, 2)])
+def test_requests_past_the_grace_period_or_a_second_signal_end_with_an_error_then_exit_0(
+        tiny_model_dir, tmp_path, grace, signals):
+    # A second signal skips the rest of the grace period. It made the process exit 143 (killed
+    # by the signal uvicorn re-raised at exit) before.
+    server = ServerProcess(["--model", tiny_model_dir, "--shutdown-grace", str(grace)],
                            str(tmp_path / "server.log")).start()
     try:
         body = {"prompt": "endless", "max_tokens": 1900, "ignore_eos": True, "stream": True}
@@ -51,6 +56,9 @@ def test_requests_past_the_grace_period_end_with_an_error_then_exit_0(tiny_model
             events = data_events(stream)
             seen = [next(events)]
             server.signal(signal.SIGTERM)
+            if signals == 2:
+                seen.append(next(events))  # still streaming: draining
+                server.signal(signal.SIGTERM)
             seen += list(events)
         assert seen[-1] == "[DONE]" and "shut down" in json.loads(seen[-2])["error"]["message"]
         assert server.wait(timeout=20) == 0, server.log()

@@ -57,6 +57,10 @@ class EngineBase:
     def plan(self):
         return self._core.plan
 
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` for a request the engine would refuse (from any thread)."""
+        self._core.validate(prompt_token_ids, params)
+
     def stats(self) -> EngineStats:
         """Running and waiting requests, KV pages in use, preemptions, token counters."""
         return self._loop.call(self._core.stats)

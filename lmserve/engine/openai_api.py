@@ -14,7 +14,7 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
 from contextlib import aclosing, closing
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, TypeVar, Union
@@ -30,6 +30,7 @@ from lmserve.engine.openai_builders import (
     TokenBytes,
     hf_token_bytes,
 )
+from lmserve.engine.limits import RequestLimits
 from lmserve.outputs import RequestOutput
 from lmserve.protocol import (
     ChatCompletion,
@@ -53,6 +54,9 @@ class TokenizerLike(Protocol):
     """The tokenizer calls the facades make."""
 
     hf: Any  # the Hugging Face tokenizer: token bytes for logprobs (see ``hf_token_bytes``)
+    # The most characters of text one token stands for: a text longer than the context times
+    # this cannot fit, and is refused without tokenizing it.
+    max_token_chars: int
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Text -> token ids; ``add_special_tokens`` adds the BOS the model expects at the start."""
@@ -69,6 +73,9 @@ class _BackendBase(Protocol):
     tokenizer: TokenizerLike
     model_name: str  # reported in responses; a request naming another model is refused
     max_model_len: int  # prompt plus generated tokens must fit in this
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` for a request the engine would refuse (any thread)."""
 
 
 class Backend(_BackendBase, Protocol):
@@ -90,12 +97,24 @@ class AsyncBackend(_BackendBase, Protocol):
 
 
 @dataclass
-class _Job:
-    """A validated request: the engine requests to run and the builder shaping their outputs."""
+class PreparedRequest:
+    """A request validated and tokenized, not started: the engine requests to run and the
+    builder shaping their outputs. Every engine request in it has passed the engine's checks,
+    so running it starts all of them or (the engine failing) none is the caller's fault."""
 
     runs: list[tuple[str, list[int], SamplingParams]]  # (engine request id, prompt ids, params)
     stream: bool
     builder: Union[ChatStreamBuilder, CompletionStreamBuilder, ChatResponseBuilder, CompletionResponseBuilder]
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine will run: prompts x n."""
+        return sum(params.n for _, _, params in self.runs)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens to prefill, each prompt once per choice (the prefix cache may share them)."""
+        return sum(len(prompt) * params.n for _, prompt, params in self.runs)
 
 
 def _check_model(request: GenerationRequest, backend: _BackendBase) -> None:
@@ -120,6 +139,23 @@ def _sampling_params(request: GenerationRequest, prompt_len: int, max_model_len:
     return params
 
 
+def _check_text_fits(num_chars: int, backend: _BackendBase, param: str) -> None:
+    """Refuse text too long for the context whatever its tokens, before paying to tokenize it."""
+    most = backend.max_model_len * backend.tokenizer.max_token_chars
+    if num_chars > most:
+        raise InvalidRequestError(
+            f"{param}: {num_chars} characters of text, more than the model's context of "
+            f"{backend.max_model_len} tokens can hold (a token stands for at most "
+            f"{backend.tokenizer.max_token_chars} characters)", param)
+
+
+def _validated(backend: _BackendBase, runs: list[tuple[str, list[int], SamplingParams]]) -> list:
+    """``runs``, each checked as the engine would check it, so that no run starts before all pass."""
+    for _, prompt, params in runs:
+        backend.validate(prompt, params)
+    return runs
+
+
 def template_message(message: Any) -> dict[str, Any]:
     """An OpenAI message (a protocol model) as chat templates expect it (a plain dict)."""
     m = message.model_dump(exclude_none=True)
@@ -130,9 +166,17 @@ def template_message(message: Any) -> dict[str, Any]:
     return m
 
 
-def _prepare_chat(backend: _BackendBase, kwargs: dict[str, Any]) -> _Job:
+def _text_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.text) for part in content or ())
+
+
+def _prepare_chat(backend: _BackendBase, limits: RequestLimits, kwargs: dict[str, Any]) -> PreparedRequest:
     request = ChatCompletionRequest.parse(kwargs)
     _check_model(request, backend)
+    limits.check(request.stop_strings(), 1, request.n or 1)
+    _check_text_fits(sum(_text_chars(m.content) for m in request.messages), backend, "messages")
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     try:
         prompt = backend.tokenizer.apply_chat_template([template_message(m) for m in request.messages],
@@ -146,14 +190,18 @@ def _prepare_chat(backend: _BackendBase, kwargs: dict[str, Any]) -> _Job:
     builder: Union[ChatStreamBuilder, ChatResponseBuilder] = (
         ChatStreamBuilder(**common, include_usage=request.wants_usage_chunk) if request.stream
         else ChatResponseBuilder(**common))
-    return _Job([(request_id, prompt, params)], bool(request.stream), builder)
+    return PreparedRequest(_validated(backend, [(request_id, prompt, params)]), bool(request.stream), builder)
 
 
-def _prepare_completion(backend: _BackendBase, kwargs: dict[str, Any]) -> _Job:
+def _prepare_completion(backend: _BackendBase, limits: RequestLimits, kwargs: dict[str, Any]) -> PreparedRequest:
     request = CompletionRequest.parse(kwargs)
     _check_model(request, backend)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     texts = request.prompts()
+    limits.check(request.stop_strings(), len(texts), request.n or 1)
+    for text in texts:
+        if isinstance(text, str):
+            _check_text_fits(len(text), backend, "prompt")
     runs, prompts = [], []
     for i, text in enumerate(texts):
         # A text prompt starts the sequence, so it gets the model's BOS (chat templates write theirs).
@@ -168,7 +216,7 @@ def _prepare_completion(backend: _BackendBase, kwargs: dict[str, Any]) -> _Job:
     builder: Union[CompletionStreamBuilder, CompletionResponseBuilder] = (
         CompletionStreamBuilder(**common, include_usage=request.wants_usage_chunk) if request.stream
         else CompletionResponseBuilder(**common))
-    return _Job(runs, bool(request.stream), builder)
+    return PreparedRequest(_validated(backend, runs), bool(request.stream), builder)
 
 
 @functools.lru_cache(maxsize=8)
@@ -185,7 +233,7 @@ def _lazy_token_bytes(tokenizer: TokenizerLike) -> TokenBytes:
 # The facades: only the iteration differs between sync and async
 
 
-def _generate_one_by_one(backend: Backend, job: _Job) -> Generator[RequestOutput, None, None]:
+def _generate_one_by_one(backend: Backend, job: PreparedRequest) -> Generator[RequestOutput, None, None]:
     # A sync iterator can only wait on one engine request at a time, so the prompts of a
     # multi-prompt text completion run one after the other.
     for request_id, prompt, params in job.runs:
@@ -196,14 +244,14 @@ def _generate_one_by_one(backend: Backend, job: _Job) -> Generator[RequestOutput
 # close the engine streams right away, which is what aborts their requests.
 
 
-def _stream(job: _Job, outputs: Iterator[RequestOutput]) -> Iterator[Any]:
+def _stream(job: PreparedRequest, outputs: Iterator[RequestOutput]) -> Iterator[Any]:
     with closing(outputs):
         for output in outputs:
             yield from job.builder.add(output)
     yield from job.builder.finish()
 
 
-def _run(backend: Backend, job: _Job) -> Any:
+def _run(backend: Backend, job: PreparedRequest) -> Any:
     outputs = _generate_one_by_one(backend, job)
     if job.stream:
         return _stream(job, outputs)
@@ -247,7 +295,7 @@ async def _merge(streams: list[AsyncIterator[_T]]) -> AsyncGenerator[_T, None]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream_async(job: _Job, outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[Any]:
+async def _stream_async(job: PreparedRequest, outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[Any]:
     async with aclosing(outputs):
         async for output in outputs:
             for chunk in job.builder.add(output):
@@ -256,7 +304,7 @@ async def _stream_async(job: _Job, outputs: AsyncGenerator[RequestOutput, None])
         yield chunk
 
 
-async def _run_async(backend: AsyncBackend, job: _Job) -> Any:
+async def _run_async(backend: AsyncBackend, job: PreparedRequest) -> Any:
     streams = [backend.generate(prompt, params, run_id) for run_id, prompt, params in job.runs]
     # One engine request (one prompt): its own stream, without _merge's task and queue per output.
     outputs = streams[0] if len(streams) == 1 else _merge(streams)
@@ -272,11 +320,25 @@ async def _run_async(backend: AsyncBackend, job: _Job) -> Any:
 # "self" (an HTTP body passed on as keywords) is refused as an unknown field, not a TypeError.
 
 
-class ChatCompletions:
+class _Facade:
+    """What every facade holds: its backend and the limits its requests must keep."""
+
+    _prepare: Callable[[Any, RequestLimits, dict[str, Any]], PreparedRequest]
+
+    def __init__(self, backend: Any, limits: Optional[RequestLimits] = None) -> None:
+        self._backend = backend
+        self._limits = limits or RequestLimits()
+
+    def prepare(self, /, **kwargs: Any) -> PreparedRequest:
+        """Validate and tokenize a request without starting it (blocking: tokenizing and the
+        chat template take time on long texts). Raises ``InvalidRequestError`` naming the field."""
+        return type(self)._prepare(self._backend, self._limits, kwargs)
+
+
+class ChatCompletions(_Facade):
     """``engine.chat.completions``."""
 
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
+    _prepare = staticmethod(_prepare_chat)
 
     def create(self, /, **kwargs: Any) -> Union[ChatCompletion, Iterator[ChatCompletionChunk]]:
         """Run a chat completion; keyword arguments are ``ChatCompletionRequest``'s fields.
@@ -285,14 +347,13 @@ class ChatCompletions:
         ``ChatCompletionChunk`` (closing it early aborts the request). Raises
         ``InvalidRequestError`` naming the field for a bad request, before generating anything.
         """
-        return _run(self._backend, _prepare_chat(self._backend, kwargs))
+        return _run(self._backend, self.prepare(**kwargs))
 
 
-class Completions:
+class Completions(_Facade):
     """``engine.completions``."""
 
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
+    _prepare = staticmethod(_prepare_completion)
 
     def create(self, /, **kwargs: Any) -> Union[Completion, Iterator[Completion]]:
         """Run a text completion; keyword arguments are ``CompletionRequest``'s fields.
@@ -301,40 +362,48 @@ class Completions:
         (closing it early aborts the request). Raises ``InvalidRequestError`` naming the field
         for a bad request, before generating anything.
         """
-        return _run(self._backend, _prepare_completion(self._backend, kwargs))
+        return _run(self._backend, self.prepare(**kwargs))
 
 
 class Chat:
     """``engine.chat``: holds ``completions``."""
 
-    def __init__(self, backend: Backend) -> None:
-        self.completions = ChatCompletions(backend)
+    def __init__(self, backend: Backend, limits: Optional[RequestLimits] = None) -> None:
+        self.completions = ChatCompletions(backend, limits)
 
 
-class AsyncChatCompletions:
+class _AsyncFacade(_Facade):
+    async def prepare_async(self, /, **kwargs: Any) -> PreparedRequest:
+        """``prepare`` in a worker thread: tokenizing a long text must not hold up the event loop."""
+        return await asyncio.to_thread(functools.partial(self.prepare, **kwargs))
+
+    async def run(self, prepared: PreparedRequest) -> Any:
+        """Run a prepared request: the response, or for a stream an async iterator of chunks."""
+        return await _run_async(self._backend, prepared)
+
+
+class AsyncChatCompletions(_AsyncFacade):
     """``engine.chat.completions`` of an async engine."""
 
-    def __init__(self, backend: AsyncBackend) -> None:
-        self._backend = backend
+    _prepare = staticmethod(_prepare_chat)
 
     async def create(self, /, **kwargs: Any) -> Union[ChatCompletion, AsyncIterator[ChatCompletionChunk]]:
         """As ``ChatCompletions.create``; a stream is an async iterator."""
-        return await _run_async(self._backend, _prepare_chat(self._backend, kwargs))
+        return await self.run(await self.prepare_async(**kwargs))
 
 
-class AsyncCompletions:
+class AsyncCompletions(_AsyncFacade):
     """``engine.completions`` of an async engine; the prompts of a list run concurrently."""
 
-    def __init__(self, backend: AsyncBackend) -> None:
-        self._backend = backend
+    _prepare = staticmethod(_prepare_completion)
 
     async def create(self, /, **kwargs: Any) -> Union[Completion, AsyncIterator[Completion]]:
         """As ``Completions.create``; a stream is an async iterator."""
-        return await _run_async(self._backend, _prepare_completion(self._backend, kwargs))
+        return await self.run(await self.prepare_async(**kwargs))
 
 
 class AsyncChat:
     """``engine.chat`` of an async engine: holds ``completions``."""
 
-    def __init__(self, backend: AsyncBackend) -> None:
-        self.completions = AsyncChatCompletions(backend)
+    def __init__(self, backend: AsyncBackend, limits: Optional[RequestLimits] = None) -> None:
+        self.completions = AsyncChatCompletions(backend, limits)

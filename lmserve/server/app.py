@@ -9,7 +9,8 @@ from fastapi import FastAPI
 from lmserve import __version__
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.server.errors import install_error_handlers
-from lmserve.server.routes import generate, models, ops, tokenize
+from lmserve.server.openapi import openapi_document
+from lmserve.server.routes import ROUTE_MODULES
 from lmserve.server.settings import ServerSettings
 from lmserve.server.state import ServerState
 
@@ -20,11 +21,13 @@ def create_app(engine: AsyncEngine, settings: Optional[ServerSettings] = None) -
     The app never shuts the engine down: whoever made the engine owns it. Its shared state is
     ``app.state.lmserve`` (a ``ServerState``).
     """
-    # No generated docs: bodies are parsed by hand (to answer every error in OpenAI's shape),
-    # so FastAPI's schema would describe none of them.
-    app = FastAPI(title="lmserve", version=__version__, openapi_url=None, docs_url=None, redoc_url=None)
+    # /openapi.json is built from the request and response models (server/openapi.py); no
+    # interactive docs, which would load their scripts from the internet.
+    app = FastAPI(title="lmserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.lmserve = ServerState.build(engine, settings or ServerSettings())
     install_error_handlers(app)
-    for module in (generate, models, tokenize, ops):
+    for module in ROUTE_MODULES:
         app.include_router(module.router)
+    document = openapi_document()
+    app.openapi = lambda: document  # type: ignore[method-assign]
     return app

@@ -28,6 +28,10 @@ class ServedModel:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` for a request the engine would refuse."""
+        self.engine.validate(prompt_token_ids, params)
+
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                  request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """The engine's stream for this request, measured; closing it aborts the request."""

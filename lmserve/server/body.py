@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, NoReturn
 
@@ -20,23 +21,33 @@ def _refuse_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object, at most ``limit`` bytes.
-
-    The declared Content-Length is checked before anything is read, and the bytes actually
-    received as they arrive (a chunked body declares no length, and a client may lie).
-    """
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
+async def _read(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json_object(request: Request, limit: int, timeout: float) -> dict[str, Any]:
+    """The body as a JSON object, at most ``limit`` bytes, received within ``timeout`` seconds.
+
+    The declared Content-Length is checked before anything is read, and the bytes actually
+    received as they arrive (a chunked body declares no length, and a client may lie). A body
+    still arriving after ``timeout`` gets 408: a slow client must not hold a connection forever.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
     try:
-        body = json.loads(b"".join(chunks), parse_constant=_refuse_constant)
+        raw = await asyncio.wait_for(_read(request, limit), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as err:  # bad JSON, bad UTF-8, absurd nesting
         raise APIError(400, f"the request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):

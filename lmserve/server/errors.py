@@ -20,7 +20,7 @@ from lmserve.protocol import InvalidRequestError
 # The "type" per status: OpenAI's where OpenAI has the case, a plain description otherwise.
 _TYPES = {
     400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-    405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+    405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
     499: "client_closed_request", 500: "server_error", 503: "service_unavailable",
 }
 

@@ -13,6 +13,7 @@ import uvicorn
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.server.admission import AdmissionGate
 from lmserve.server.app import create_app
+from lmserve.server.protocol import HeaderTimeoutProtocol
 from lmserve.server.settings import ServerSettings
 
 logger = logging.getLogger("lmserve")
@@ -28,7 +29,9 @@ class _DrainingServer(uvicorn.Server):
     The first SIGTERM or SIGINT does not close the listening socket: new requests keep getting
     an answer (503) while admitted ones run to their end, for up to the grace period. Then
     the engine stops (failing what still runs) and uvicorn shuts down as usual. A second signal
-    skips the wait.
+    skips the wait, a third the wait for open connections. Every way ends in exit status 0:
+    uvicorn's own handler would re-raise the signal at exit, and the process would die by it
+    (status 143 for SIGTERM) after a clean stop.
     """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, gate: AdmissionGate,
@@ -39,14 +42,19 @@ class _DrainingServer(uvicorn.Server):
         self._grace = grace
 
     def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
-        if self._gate.draining:
-            super().handle_exit(sig, frame)
-            return
-        # Not uvicorn's handler: it would re-raise the signal at exit, and the process would
-        # die by it instead of exiting 0 after a clean drain.
-        logger.info("%s: draining %d request(s), for up to %g s; again to stop now",
-                    signal.Signals(sig).name, self._gate.in_flight, self._grace)
-        self._gate.start_draining(self._grace)
+        name = signal.Signals(sig).name
+        if self.should_exit:
+            logger.info("%s: closing the open connections now", name)
+            self.force_exit = True
+        elif self._gate.draining:
+            logger.info("%s: stopping without waiting for the %d request(s) still running",
+                        name, self._gate.in_flight)
+            self._gate.stop_waiting()
+            self.should_exit = True
+        else:
+            logger.info("%s: draining %d request(s), for up to %g s; again to stop now",
+                        name, self._gate.in_flight, self._grace)
+            self._gate.start_draining(self._grace)
 
     async def on_tick(self, counter: int) -> bool:
         return await super().on_tick(counter) or self._gate.drained()
@@ -67,5 +75,7 @@ def serve(engine: AsyncEngine, settings: ServerSettings, log_level: str = "info"
     """
     app = create_app(engine, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
-                            timeout_graceful_shutdown=_CLOSE_TIMEOUT_S)
+                            timeout_graceful_shutdown=_CLOSE_TIMEOUT_S,
+                            timeout_keep_alive=settings.keep_alive_timeout,
+                            http=HeaderTimeoutProtocol.with_header_timeout(settings.header_timeout))
     _DrainingServer(config, engine, app.state.lmserve.gate, settings.shutdown_grace).run()

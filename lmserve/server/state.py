@@ -9,9 +9,11 @@ from typing import Any
 from fastapi import Request
 
 from lmserve.engine.async_engine import AsyncEngine
+from lmserve.engine.limits import RequestLimits
 from lmserve.engine.openai_api import AsyncChat, AsyncCompletions
 from lmserve.server.admission import AdmissionGate
 from lmserve.server.backend import ServedModel
+from lmserve.server.body import read_json_object
 from lmserve.server.errors import APIError
 from lmserve.server.metrics import ServerMetrics
 from lmserve.server.settings import ServerSettings
@@ -34,8 +36,19 @@ class ServerState:
         """The state of an app serving ``engine``."""
         metrics = ServerMetrics(engine.stats)
         model = ServedModel(engine, metrics, settings.served_model_name)
-        return cls(settings, metrics, model, AsyncChat(model), AsyncCompletions(model),
-                   AdmissionGate(settings.max_waiting))
+        plan = engine.plan
+        # By default one request may take half the batch, so that another client's request
+        # always finds room to start at once; never more than the whole in-flight bound.
+        per_request = min(settings.max_seqs_per_request or max(1, plan.max_num_sequence // 2),
+                          settings.max_waiting)
+        limits = RequestLimits(max_stop_chars=settings.max_stop_chars, max_sequences=per_request)
+        max_tokens = settings.max_waiting_tokens or 4 * plan.num_pages * plan.page_size
+        return cls(settings, metrics, model, AsyncChat(model, limits), AsyncCompletions(model, limits),
+                   AdmissionGate(settings.max_waiting, max_tokens))
+
+    async def read_body(self, request: Request) -> dict[str, Any]:
+        """The request's JSON object body, within the size and time limits."""
+        return await read_json_object(request, self.settings.max_body_bytes, self.settings.body_timeout)
 
     def check_model(self, name: Any) -> None:
         """Raise 404 for a request naming a model that is not served here (None: any is fine).

@@ -14,3 +14,9 @@ async def api_access(request: Request) -> None:
     state.gate.check_open()
     if state.settings.api_key is not None:
         check_api_key(request, state.settings.api_key)
+
+
+# Last: the route modules import api_access from here.
+from lmserve.server.routes import generate, models, ops, tokenize  # noqa: E402
+
+ROUTE_MODULES = (generate, models, tokenize, ops)

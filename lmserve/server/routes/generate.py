@@ -1,6 +1,8 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: the engine's OpenAI facades over HTTP.
 
-A request is validated, admitted (or refused with 429/503), then run. Non-streaming, the answer
+A request is validated and tokenized (in a worker thread: a long text or chat template must not
+hold up the event loop, which serves every other client), admitted by its weight (or refused
+with 429/503), then run. Non-streaming, the answer
 is one JSON body. Streaming, the first chunk is awaited before the response starts, so a request
 that fails before producing anything still gets a real HTTP status; after that, a failure is
 one error event followed by ``data: [DONE]``.
@@ -12,14 +14,16 @@ the first chunk) the connection is polled, and once a stream is under way Starle
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable
+from typing import Any, TypeVar, Union
 
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel
 
-from lmserve.server.body import read_json_object
+from lmserve.engine.openai_api import AsyncChatCompletions, AsyncCompletions
+from lmserve.server.admission import Weight
 from lmserve.server.errors import APIError, ClientDisconnected
 from lmserve.server.routes import api_access
 from lmserve.server.sse import EventStreamResponse
@@ -36,14 +40,14 @@ _T = TypeVar("_T")
 async def chat_completions(request: Request) -> Response:
     """OpenAI's chat completion, streaming or not."""
     state = server_state(request)
-    return await _generate(request, state, state.chat.completions.create)
+    return await _generate(request, state, state.chat.completions)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     """OpenAI's (legacy) text completion: prompt as text, texts, token ids or token id lists."""
     state = server_state(request)
-    return await _generate(request, state, state.completions.create)
+    return await _generate(request, state, state.completions)
 
 
 async def until_disconnected(request: Request, work: Awaitable[_T]) -> _T:
@@ -63,13 +67,20 @@ async def until_disconnected(request: Request, work: Awaitable[_T]) -> _T:
 
 
 async def _generate(request: Request, state: ServerState,
-                    create: Callable[..., Awaitable[Any]]) -> Response:
-    body = await read_json_object(request, state.settings.max_body_bytes)
+                    facade: Union[AsyncChatCompletions, AsyncCompletions]) -> Response:
+    body = await state.read_body(request)
     state.check_model(body.get("model"))
-    state.gate.enter()
+    try:
+        prepared = await until_disconnected(request, facade.prepare_async(**body))
+    except ClientDisconnected:
+        raise
+    except Exception as exc:
+        raise _api_error(request, exc) from None
+    weight = Weight(prepared.num_sequences, prepared.num_prompt_tokens)
+    state.gate.enter(weight)
     handed_over = False  # to a stream response, which leaves the gate when it ends
     try:
-        result = await until_disconnected(request, create(**body))
+        result = await until_disconnected(request, facade.run(prepared))
         if isinstance(result, BaseModel):
             return Response(result.model_dump_json(), media_type="application/json")
         try:
@@ -78,14 +89,19 @@ async def _generate(request: Request, state: ServerState,
             await result.aclose()
             raise
         handed_over = True
-        return EventStreamResponse(first, result, on_close=state.gate.leave)
+        return EventStreamResponse(first, result, on_close=functools.partial(state.gate.leave, weight))
     except ClientDisconnected:
         raise
     except Exception as exc:
-        error = APIError.from_exception(exc)
-        if error.status >= 500:
-            logger.error("%s failed", request.url.path, exc_info=exc)
-        raise error from None
+        raise _api_error(request, exc) from None
     finally:
         if not handed_over:
-            state.gate.leave()
+            state.gate.leave(weight)
+
+
+def _api_error(request: Request, exc: Exception) -> APIError:
+    """The answer for an exception; the server's own failures are logged with their traceback."""
+    error = APIError.from_exception(exc)
+    if error.status >= 500:
+        logger.error("%s failed", request.url.path, exc_info=exc)
+    return error

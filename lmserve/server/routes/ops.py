@@ -11,7 +11,8 @@ from lmserve.server.state import server_state
 router = APIRouter()
 
 
-@router.get("/health")
+@router.head("/health", operation_id="health_head")
+@router.get("/health", operation_id="health")
 async def health(request: Request) -> Response:
     """200 while serving; 503 once shutdown has begun, so that traffic moves elsewhere."""
     server_state(request).gate.check_open()

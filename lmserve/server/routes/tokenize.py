@@ -8,15 +8,16 @@ as ``/v1/chat/completions`` would), and answers ``{count, max_model_len, tokens,
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Optional
 
 import jinja2
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from lmserve.engine.openai_api import template_message
-from lmserve.protocol import ChatMessageParam, ChatTool, InvalidRequestError
-from lmserve.server.body import read_json_object
+from lmserve.protocol import ChatMessageParam, ChatTool, InvalidRequestError, check_json_values
+from lmserve.server.backend import ServedModel
 from lmserve.server.routes import api_access
 from lmserve.server.state import server_state
 
@@ -24,7 +25,7 @@ router = APIRouter(dependencies=[Depends(api_access)])
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Optional[str] = None
 
@@ -47,6 +48,7 @@ class DetokenizeRequest(_Strict):
 
 
 def _parse(model: type[_Strict], body: dict[str, Any]) -> Any:
+    check_json_values(body)
     try:
         return model.model_validate(body)
     except ValidationError as err:
@@ -57,22 +59,34 @@ def _parse(model: type[_Strict], body: dict[str, Any]) -> Any:
 async def tokenize(request: Request) -> dict[str, Any]:
     """Token ids of a prompt or of a rendered chat."""
     state = server_state(request)
-    body = await read_json_object(request, state.settings.max_body_bytes)
+    body = await state.read_body(request)
     state.check_model(body.get("model"))
-    tokenizer = state.model.tokenizer
-    req: Union[TokenizeTextRequest, TokenizeChatRequest]
+    # In a worker thread: tokenizing a long text must not hold up the event loop.
+    return await run_in_threadpool(_tokenize, state.model, body)
+
+
+def _tokenize(model: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
+    tokenizer = model.tokenizer
+    longest = model.max_model_len * tokenizer.max_token_chars  # more text cannot fit the context
     if "messages" in body:
         req = _parse(TokenizeChatRequest, body)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        messages = [template_message(m) for m in req.messages]
+        if sum(len(m.get("content") or "") for m in messages) > longest:
+            raise InvalidRequestError(f"the messages hold more text than the model's context of "
+                                      f"{model.max_model_len} tokens can", "messages")
         try:
-            ids = tokenizer.apply_chat_template([template_message(m) for m in req.messages],
-                                                add_generation_prompt=req.add_generation_prompt, tools=tools)
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                tools=tools)
         except (ValueError, jinja2.TemplateError) as err:
             raise InvalidRequestError(f"cannot render the chat template: {err}", "messages") from None
     else:
         req = _parse(TokenizeTextRequest, body)
+        if len(req.prompt) > longest:
+            raise InvalidRequestError(f"the prompt has {len(req.prompt)} characters, more than the "
+                                      f"model's context of {model.max_model_len} tokens can hold", "prompt")
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-    return {"count": len(ids), "max_model_len": state.model.max_model_len, "tokens": ids,
+    return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids,
             "token_strs": tokenizer.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
 
@@ -80,7 +94,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 async def detokenize(request: Request) -> dict[str, Any]:
     """The text of token ids."""
     state = server_state(request)
-    body = await read_json_object(request, state.settings.max_body_bytes)
+    body = await state.read_body(request)
     state.check_model(body.get("model"))
     req = _parse(DetokenizeRequest, body)
     tokenizer = state.model.tokenizer
