@@ -24,13 +24,12 @@ def free_port() -> int:
 class ServerProcess:
     """One server process; use as a context manager or call ``start`` / ``stop``."""
 
-    def __init__(self, args: list[str], log_path: str, python: str = sys.executable) -> None:
-        """``args`` follow ``lmserve serve`` (``--port`` is added here); ``python`` is the
-        interpreter whose lmserve runs (another checkout's venv, for a before/after run)."""
+    def __init__(self, args: list[str], log_path: str) -> None:
+        """``args`` follow ``lmserve serve`` (``--port`` is added here)."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._args = [python, "-m", "lmserve.cli", "serve", "--port", str(self.port),
+        self._args = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(self.port),
                       "--log-level", "warning", *args]
         self.proc: Optional[subprocess.Popen] = None
 
