@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import os
 import re
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from typing import (  # noqa: UP035  (Tuple: EngineConfig's spelling, which == must match)
@@ -228,10 +229,13 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     from lmserve.server.run import serve
 
     engine = _load(AsyncEngine, config, parser)
+    # The server handles SIGTERM and SIGINT while it runs (a drain, exit 0) and puts back the
+    # handlers it found when it stops. Ignoring them here means a signal that comes after that,
+    # while the process is on its way out, cannot kill it with status 143 after a clean stop.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         serve(engine, settings, log_level=args.log_level)
-    except KeyboardInterrupt:  # Ctrl-C before the server's own signal handlers were in place
-        return 130
     finally:
         engine.shutdown()  # serve already did, unless it failed to start
     return 0

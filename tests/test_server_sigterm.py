@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -61,6 +62,19 @@ def test_requests_past_the_grace_period_or_a_second_signal_end_with_an_error_the
                 server.signal(signal.SIGTERM)
             seen += list(events)
         assert seen[-1] == "[DONE]" and "shut down" in json.loads(seen[-2])["error"]["message"]
+        assert server.wait(timeout=20) == 0, server.log()
+    finally:
+        server.stop()
+
+
+def test_a_signal_after_the_server_has_stopped_does_not_kill_the_process(tiny_model_dir, tmp_path):
+    # uvicorn puts back the handlers it found when it stops; a second SIGTERM then killed the
+    # process on its way out (status -15 / 143 after a clean drain).
+    server = ServerProcess(["--model", tiny_model_dir], str(tmp_path / "server.log")).start()
+    try:
+        server.signal(signal.SIGTERM)  # nothing in flight: the drain ends at once
+        time.sleep(0.5)
+        server.signal(signal.SIGTERM)
         assert server.wait(timeout=20) == 0, server.log()
     finally:
         server.stop()
