@@ -230,15 +230,22 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     engine = _load(AsyncEngine, config, parser)
     # The server handles SIGTERM and SIGINT while it runs (a drain, exit 0) and puts back the
-    # handlers it found when it stops. Ignoring them here means a signal that comes after that,
-    # while the process is on its way out, cannot kill it with status 143 after a clean stop.
+    # handlers it found when it stops. Before it runs, they end the process with status 0; once
+    # it has stopped they are ignored, so that a late signal cannot kill the process (status
+    # 143) on its way out. Not a Python handler there: Python resets those to the default at exit.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, _exit_0)
     try:
         serve(engine, settings, log_level=args.log_level)
     finally:
-        engine.shutdown()  # serve already did, unless it failed to start
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        engine.shutdown()  # serve already did, unless it failed to start (at most 10 s)
     return 0
+
+
+def _exit_0(sig: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def _add_serve(commands: Any) -> None:
@@ -269,7 +276,8 @@ def _add_serve(commands: Any) -> None:
                       help="sequences (prompts x n) one request may start, which also bounds its "
                            "list of prompts; more get 400 (default: half the batch, --max-num-sequence)")
     http.add_argument("--max-stop-chars", type=int, metavar="N", default=d.max_stop_chars,
-                      help="characters of one stop string; longer ones get 400 (default: %(default)s)")
+                      help="characters of a request's stop strings together; more get 400 "
+                           "(default: %(default)s)")
     http.add_argument("--served-model-name", metavar="NAME",
                       help="the model name clients send and see (default: the model's file or "
                            "directory name)")

@@ -31,6 +31,10 @@ class Tokenizer:
         # The Rust tokenizer's decode skips transformers' Python-side post-processing, which keeps
         # streaming cheap and makes decode() and IncrementalDetokenizer agree character for character.
         self._backend = hf.backend_tokenizer
+        # A tokenizer.json may carry truncation or padding, which would cut or pad prompts;
+        # transformers turns them off on every call, lmserve once (encode only reads).
+        self._backend.no_truncation()
+        self._backend.no_padding()
         eos: list[int] = []
         candidates = [hf.eos_token_id, *extra_eos_token_ids, *self._template_end_of_turn_ids()]
         for token_id in candidates:
@@ -86,11 +90,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds the tokenizer's bos/eos decoration.
 
-        Safe from several threads at once: the Rust tokenizer is only read. (transformers' own
-        encode may first reset truncation and padding on the shared Rust object, which PyO3
-        refuses while another thread encodes: "RuntimeError: Already borrowed".)
+        Safe from several threads at once, and lets other threads run meanwhile: the Rust
+        tokenizer is only read (transformers' own encode may first reset truncation and padding
+        on the shared object, which PyO3 refuses while another thread encodes: "RuntimeError:
+        Already borrowed"), and its batch call, unlike its single one, releases the GIL.
         """
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; an incomplete UTF-8 character decodes to U+FFFD."""

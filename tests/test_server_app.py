@@ -143,3 +143,36 @@ def test_serve_flags():
     assert (args.served_model_name, args.shutdown_grace, args.max_num_sequence) == ("n", 2.5, 8)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--port", "x"])
+
+
+def test_offload_runs_at_most_its_slots_and_a_cancelled_caller_keeps_its_slot_until_done():
+    import threading
+
+    from lmserve.server.offload import Offload
+
+    async def main():
+        offload = Offload(slots=2)
+        running, peak, lock, release = 0, 0, threading.Lock(), threading.Event()
+
+        def work():
+            nonlocal running, peak
+            with lock:
+                running += 1
+                peak = max(peak, running)
+            release.wait(10)
+            with lock:
+                running -= 1
+            return 1
+
+        tasks = [asyncio.ensure_future(offload.run(work)) for _ in range(5)]
+        await asyncio.sleep(0.2)
+        assert running == 2
+        for task in tasks[:2]:  # their clients left; the threads cannot be stopped
+            task.cancel()
+        await asyncio.sleep(0.2)
+        assert running == 2  # so no third thread starts until they are done
+        release.set()
+        assert await asyncio.gather(*tasks[2:]) == [1, 1, 1]
+        assert peak == 2
+
+    asyncio.run(main())

@@ -216,3 +216,51 @@ def test_incremental_keeps_sentencepiece_leading_spaces() -> None:
     assert "".join(pieces) == full[len(tok.decode(prompt)) :] == " world, the cat 中文 😀!"
     assert not any("\ufffd" in piece for piece in pieces)
     assert "".join(_stream(tok, [], generated)) == tok.decode(generated)
+
+
+def test_encode_with_bos_matches_transformers(tok: Tokenizer, reference_hf) -> None:
+    for text in TEXTS:
+        assert tok.encode(text, add_special_tokens=True) == reference_hf.encode(text)
+
+
+def test_truncation_or_padding_in_the_tokenizer_file_never_cuts_a_prompt(tmp_path) -> None:
+    rust = RustTokenizer.from_file(os.path.join(_builtin_tokenizer_dir(tmp_path), "tokenizer.json"))
+    rust.enable_truncation(max_length=4)
+    rust.enable_padding(length=64)
+    hf = PreTrainedTokenizerFast(tokenizer_object=rust)
+    text = "a sentence of more than four tokens, certainly"
+    assert Tokenizer(hf).encode(text) == AutoTokenizer.from_pretrained(
+        _builtin_tokenizer_dir(tmp_path)).encode(text, add_special_tokens=False)
+
+
+def test_encoding_a_long_text_lets_other_threads_run(tok: Tokenizer) -> None:
+    # The server tokenizes in worker threads; the event loop and the engine thread must keep
+    # running meanwhile (the tokenizer's single-text call held the GIL: 0.5 s for 1 MB).
+    import threading
+
+    gaps, done = [], threading.Event()
+
+    def ticker():
+        last = time.monotonic()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    time.sleep(0.02)
+    ids = tok.encode("the sea and the ships " * 50_000)
+    done.set()
+    thread.join()
+    assert len(ids) > 200_000
+    assert max(gaps) < 0.15, f"another thread waited {max(gaps):.2f} s"
+
+
+def _builtin_tokenizer_dir(tmp_path) -> str:
+    path = tmp_path / "builtin_tokenizer"
+    if not path.exists():
+        AutoTokenizer.from_pretrained(os.path.dirname(builtin_model_path()),
+                                      gguf_file=os.path.basename(builtin_model_path())).save_pretrained(path)
+    return str(path)

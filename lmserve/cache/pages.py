@@ -5,7 +5,7 @@ and are indexed by ``page * page_size + offset`` (a "slot"). Reference counts le
 (prefix cache, forked sequences) and return it to the free list only when its last owner lets go.
 
 The free list is a stack: the page freed last is handed out first. A page's memory is taken from
-the system when it is first written (see ``zeros_on_demand``), so reusing the same few pages keeps
+the system when it is first written (see ``OnDemandBuffer``), so reusing the same few pages keeps
 the process's resident memory at the KV in use; handing out the oldest free page instead walked
 every allocation onto untouched memory until the whole pool was resident. Pages that stay free
 long enough are reported by ``idle_pages`` so that their memory can go back to the system.
@@ -72,6 +72,11 @@ class PagePool:
             if self._refs[p] == 0:
                 self._free.append(p)
                 self._freed_at[p] = time.monotonic()
+
+    @property
+    def num_unreleased(self) -> int:
+        """Free pages that were used and whose memory has not been reported idle yet."""
+        return len(self._freed_at)
 
     def idle_pages(self, min_idle_s: float) -> list[int]:
         """Free pages that have been free for ``min_idle_s`` seconds and were used before; each is

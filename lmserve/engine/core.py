@@ -177,7 +177,7 @@ class EngineCore:
         how many pages it was."""
         pages = self.pool.idle_pages(KV_IDLE_RELEASE_S)
         if pages:
-            self.runner.kv.discard(pages)
+            self.runner.kv.discard(pages, lambda p: self.pool.refcount(p) == 0)
         return len(pages)
 
     # -- the step ------------------------------------------------------------------------------

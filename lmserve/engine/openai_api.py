@@ -31,6 +31,7 @@ from lmserve.engine.openai_builders import (
     hf_token_bytes,
 )
 from lmserve.engine.limits import RequestLimits
+from lmserve.engine.stop import prepare_stops
 from lmserve.outputs import RequestOutput
 from lmserve.protocol import (
     ChatCompletion,
@@ -150,9 +151,11 @@ def _check_text_fits(num_chars: int, backend: _BackendBase, param: str) -> None:
 
 
 def _validated(backend: _BackendBase, runs: list[tuple[str, list[int], SamplingParams]]) -> list:
-    """``runs``, each checked as the engine would check it, so that no run starts before all pass."""
+    """``runs``, each checked as the engine would check it, so that no run starts before all pass;
+    their stop strings' matcher is built here too, not on the engine thread."""
     for _, prompt, params in runs:
         backend.validate(prompt, params)
+        prepare_stops(params.stop)
     return runs
 
 

@@ -68,6 +68,17 @@ def _automaton(stops: tuple[str, ...]) -> StopAutomaton:
     return StopAutomaton(stops)
 
 
+def _key(stop: Sequence[str]) -> tuple[str, ...]:
+    return tuple(sorted({s for s in stop if s}))
+
+
+def prepare_stops(stop: Sequence[str]) -> None:
+    """Build (and cache) the automaton of these stop strings now, off the engine thread, so that
+    the request's first tokens find it ready."""
+    if _key(stop):
+        _automaton(_key(stop))
+
+
 class StopChecker:
     """Cuts one choice's text stream at its first stop string.
 
@@ -86,7 +97,7 @@ class StopChecker:
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool) -> None:
         """``stop``: the stop strings (empty strings are ignored: they would match everywhere)."""
-        stops = tuple(sorted({s for s in stop if s}))
+        stops = _key(stop)
         self._automaton = _automaton(stops) if stops else None
         self._include = include_stop_str_in_output
         self._state = 0  # the automaton's state after the text fed so far

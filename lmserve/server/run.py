@@ -43,18 +43,17 @@ class _DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
         name = signal.Signals(sig).name
-        if self.should_exit:
-            logger.info("%s: closing the open connections now", name)
-            self.force_exit = True
-        elif self._gate.draining:
-            logger.info("%s: stopping without waiting for the %d request(s) still running",
-                        name, self._gate.in_flight)
-            self._gate.stop_waiting()
-            self.should_exit = True
-        else:
+        if not self._gate.draining:
             logger.info("%s: draining %d request(s), for up to %g s; again to stop now",
                         name, self._gate.in_flight, self._grace)
             self._gate.start_draining(self._grace)
+        elif not self._gate.drained():
+            logger.info("%s: stopping without waiting for the %d request(s) still running",
+                        name, self._gate.in_flight)
+            self._gate.stop_waiting()
+        else:  # already shutting down
+            logger.info("%s: closing the open connections now", name)
+            self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
         return await super().on_tick(counter) or self._gate.drained()

@@ -24,7 +24,7 @@ class ServerSettings:
     # Sequences (prompts x n) one request may start; None: half the engine's batch
     # (max_num_sequence), so that one request never keeps every other client waiting.
     max_seqs_per_request: Optional[int] = None
-    max_stop_chars: int = 1024  # characters of one stop string
+    max_stop_chars: int = 1024  # characters of a request's stop strings together
     served_model_name: Optional[str] = None  # the name clients use; None: the model's file name
     shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM
     # Seconds a connection may take to send a request's headers (from its opening, or from the

@@ -16,6 +16,7 @@ from lmserve.server.backend import ServedModel
 from lmserve.server.body import read_json_object
 from lmserve.server.errors import APIError
 from lmserve.server.metrics import ServerMetrics
+from lmserve.server.offload import Offload
 from lmserve.server.settings import ServerSettings
 
 
@@ -29,6 +30,7 @@ class ServerState:
     chat: AsyncChat
     completions: AsyncCompletions
     gate: AdmissionGate
+    offload: Offload = field(default_factory=Offload)  # tokenizing, off the event loop
     started: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod

@@ -22,7 +22,7 @@ from typing import Any, TypeVar, Union
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel
 
-from lmserve.engine.openai_api import AsyncChatCompletions, AsyncCompletions
+from lmserve.engine.openai_api import AsyncChatCompletions, AsyncCompletions, PreparedRequest
 from lmserve.server.admission import Weight
 from lmserve.server.errors import APIError, ClientDisconnected
 from lmserve.server.routes import api_access
@@ -71,11 +71,18 @@ async def _generate(request: Request, state: ServerState,
     body = await state.read_body(request)
     state.check_model(body.get("model"))
     try:
-        prepared = await until_disconnected(request, facade.prepare_async(**body))
+        prepare = functools.partial(facade.prepare, **body)
+        prepared = await until_disconnected(request, state.offload.run(prepare))
+        return await _run_admitted(request, state, facade, prepared)
     except ClientDisconnected:
         raise
     except Exception as exc:
         raise _api_error(request, exc) from None
+
+
+async def _run_admitted(request: Request, state: ServerState,
+                        facade: Union[AsyncChatCompletions, AsyncCompletions],
+                        prepared: PreparedRequest) -> Response:
     weight = Weight(prepared.num_sequences, prepared.num_prompt_tokens)
     state.gate.enter(weight)
     handed_over = False  # to a stream response, which leaves the gate when it ends
@@ -90,10 +97,6 @@ async def _generate(request: Request, state: ServerState,
             raise
         handed_over = True
         return EventStreamResponse(first, result, on_close=functools.partial(state.gate.leave, weight))
-    except ClientDisconnected:
-        raise
-    except Exception as exc:
-        raise _api_error(request, exc) from None
     finally:
         if not handed_over:
             state.gate.leave(weight)

@@ -8,12 +8,12 @@ as ``/v1/chat/completions`` would), and answers ``{count, max_model_len, tokens,
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Optional
 
 import jinja2
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from lmserve.engine.openai_api import template_message
 from lmserve.protocol import ChatMessageParam, ChatTool, InvalidRequestError, check_json_values
@@ -62,7 +62,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
     body = await state.read_body(request)
     state.check_model(body.get("model"))
     # In a worker thread: tokenizing a long text must not hold up the event loop.
-    return await run_in_threadpool(_tokenize, state.model, body)
+    return await state.offload.run(functools.partial(_tokenize, state.model, body))
 
 
 def _tokenize(model: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
