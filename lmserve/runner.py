@@ -1,4 +1,5 @@
-"""Turns a scheduled batch into flat tensors, runs the model, and returns the logits to sample."""
+"""Turns a step (plain data, ``lmserve.step``) into flat tensors, runs the model, and returns the
+logits asked for."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from lmserve.attention.base import AttentionBackend, AttentionInput
 from lmserve.cache.kv import KVCache
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.models.llama import ForwardContext
-from lmserve.scheduler import Batch
+from lmserve.step import StepInput
 
 
 class ModelRunner:
@@ -29,22 +30,21 @@ class ModelRunner:
         self.rotary = model.rotary(max_positions, device)
         self.layer_calls = model.layer_calls(backend, ops, kv)
 
-    def execute(self, batch: Batch) -> torch.Tensor:
-        """Logits ``(S, V)`` for the chunks of ``batch`` that sample, in batch order."""
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Logits ``(step.num_logits, V)``: each sequence's rows, for its last ``num_logits``
+        tokens in order, sequences in step order."""
         input_ids: list[int] = []
         positions: list[int] = []
-        last_token: list[int] = []  # flat index of each sampling chunk's last token
-        for c in batch.chunks:
-            start = c.seq.num_computed
-            input_ids += c.seq.token_ids[start : start + c.num_tokens]
-            positions += range(start, start + c.num_tokens)
-            if c.samples:
-                last_token.append(len(input_ids) - 1)
+        rows: list[int] = []  # flat index of each token whose logits are wanted
+        for s in step.seqs:
+            input_ids += s.token_ids
+            positions += range(s.start, s.context_len)
+            rows += range(len(input_ids) - s.num_logits, len(input_ids))
 
         attn_in = AttentionInput(
-            query_lens=[c.num_tokens for c in batch.chunks],
-            context_lens=[c.seq.num_computed + c.num_tokens for c in batch.chunks],
-            page_tables=[c.seq.pages for c in batch.chunks],
+            query_lens=[len(s.token_ids) for s in step.seqs],
+            context_lens=[s.context_len for s in step.seqs],
+            page_tables=[s.page_table for s in step.seqs],
         )
         pos = torch.tensor(positions, device=self.device)
         cos, sin = self.rotary.lookup(pos)
@@ -59,6 +59,6 @@ class ModelRunner:
             compiled=self.compiled,
         )
         hidden = self.model.forward(torch.tensor(input_ids, device=self.device), ctx)  # (T, D)
-        if not last_token:
+        if not rows:
             return hidden.new_empty((0, 0))
-        return self.model.logits(hidden[torch.tensor(last_token, device=self.device)])  # (S, V)
+        return self.model.logits(hidden[torch.tensor(rows, device=self.device)])  # (R, V)

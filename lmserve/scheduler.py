@@ -24,6 +24,7 @@ from typing import Optional
 from lmserve.cache.pages import PagePool, pages_needed
 from lmserve.cache.radix import RadixCache
 from lmserve.request import Sequence, SeqStatus
+from lmserve.step import SeqStep, StepInput
 
 
 @dataclass
@@ -42,6 +43,15 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+    def step_input(self) -> StepInput:
+        """The step as the runner sees it: plain data, one ``SeqStep`` per chunk."""
+        return StepInput([
+            SeqStep(start=c.seq.num_computed,
+                    token_ids=c.seq.token_ids[c.seq.num_computed : c.seq.num_computed + c.num_tokens],
+                    page_table=list(c.seq.pages), num_logits=1 if c.samples else 0)
+            for c in self.chunks
+        ])
 
 
 def _tokens(chunks: list[ScheduledChunk]) -> int:

@@ -191,7 +191,7 @@ class EngineCore:
         for chunk in batch.chunks:
             if chunk.seq.request.first_scheduled_time is None:
                 chunk.seq.request.first_scheduled_time = now
-        logits = self.runner.execute(batch)
+        logits = self.runner.execute(batch.step_input())
         self.scheduler.commit(batch)
         sampling = [c.seq for c in batch.chunks if c.samples]
         result = sample(logits, self._sampling_batch(sampling)) if sampling else None
