@@ -238,7 +238,8 @@ class EngineCore:
                 continue  # an earlier choice of this request already failed it
             try:
                 token = int(result.token_ids[row])
-                delta = self.outputs.append(seq, token, _logprob(result, row, req.params))
+                logprob = _logprob(result, row, req.params)
+                delta = self.outputs.append(seq, [token], [logprob] if logprob is not None else None)
             except Exception as exc:  # fail this request only; the others go on
                 logger.exception("request %s failed while processing its output", req.request_id)
                 self.abort_request(req.request_id)

@@ -31,7 +31,14 @@ class OutputProcessor:
         self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.max_sequence_length = max_sequence_length
 
-    def append(self, seq: Sequence, token_id: int, logprob: Optional[TokenLogprob]) -> SequenceDelta:
+    def append(self, seq: Sequence, token_ids: list[int],
+               logprobs: Optional[list[TokenLogprob]] = None) -> SequenceDelta:
+        """Append a step's new tokens of ``seq`` (one, or an accepted run of several) in order.
+
+        The stop rules act after each token exactly as if the tokens had come one step at a
+        time: the first token that ends the sequence is its last, and the tokens after it are
+        dropped (their logprobs too). Returns what the caller sees of the tokens kept.
+        """
         p = seq.request.params
         if seq.output_state is None:
             seq.output_state = _ChoiceState(
@@ -39,6 +46,25 @@ class OutputProcessor:
                                        skip_special_tokens=p.skip_special_tokens),
                 StopChecker(p.stop, p.include_stop_str_in_output) if p.stop else None,
             )
+        text, kept = "", 0
+        for token_id in token_ids:
+            text += self._append_one(seq, token_id)
+            kept += 1
+            if seq.finish_reason is not None:
+                break
+        return SequenceDelta(
+            index=seq.index,
+            text=text,
+            token_ids=list(token_ids[:kept]),
+            logprobs=list(logprobs[:kept]) if logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    def _append_one(self, seq: Sequence, token_id: int) -> str:
+        """Append one token; returns the text it releases and sets the finish reason if it ends
+        the sequence."""
+        p = seq.request.params
         state: _ChoiceState = seq.output_state
         seq.token_ids.append(token_id)
         may_stop = seq.num_output_tokens >= p.min_tokens
@@ -63,12 +89,4 @@ class OutputProcessor:
                 seq.finish_reason, seq.stop_reason = "stop", matched
             elif seq.finish_reason is not None:
                 text += state.stop.flush()  # held back as a possible stop string that never came
-
-        return SequenceDelta(
-            index=seq.index,
-            text=text,
-            token_ids=[token_id],
-            logprobs=[logprob] if logprob is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
+        return text
