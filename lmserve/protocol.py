@@ -17,8 +17,10 @@ Requests:
     ``InvalidRequestError`` whose ``param`` names the offending field, the shape OpenAI's error
     body uses (``parse`` turns pydantic's ``ValidationError`` into one).
 
-    ``response_format``, ``tools`` and ``tool_choice`` are validated for shape only: the tools
-    reach the chat template, but nothing constrains the output or parses tool calls yet.
+    ``response_format``, ``tools`` and ``tool_choice`` are validated for their shape, then refused
+    where they would ask for what is not built yet (JSON output, tool calls): ``response_format``
+    ``text`` and tools with ``tool_choice: "none"`` (shown to the model through its chat
+    template, no calls expected) are served.
 
 Responses:
     ``ChatCompletion``, ``ChatCompletionChunk``, ``Completion`` (OpenAI uses it for the streamed
@@ -379,6 +381,18 @@ class ChatCompletionRequest(GenerationRequest):
             raise InvalidRequestError(
                 "give max_completion_tokens or its deprecated alias max_tokens, not both", "max_tokens"
             )
+        # Not built yet: refused rather than ignored, so nobody gets an unconstrained answer or
+        # tool-call text left unparsed while believing otherwise.
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequestError(
+                f"response_format {self.response_format.type!r} is not supported yet: lmserve does not "
+                f"constrain output to JSON (only {{'type': 'text'}} is accepted)", "response_format")
+        if self.tools and self.tool_choice != "none":
+            raise InvalidRequestError(
+                "tools are not supported yet: lmserve does not parse tool calls (send tool_choice "
+                "'none' to show the tools to the model without calls)", "tools")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise InvalidRequestError("tool_choice needs tools", "tool_choice")
 
     def _requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -222,7 +222,7 @@ def test_chat_request_reaches_the_backend():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     messages = [{"role": "developer", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    chat_create(backend, messages=messages, tools=tools, temperature=0, stop=["x"], seed=3)
+    chat_create(backend, messages=messages, tools=tools, tool_choice="none", temperature=0, stop=["x"], seed=3)
     rendered, rendered_tools = backend.tokenizer.rendered[0]
     assert rendered == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
     assert rendered_tools == tools

@@ -168,3 +168,15 @@ def test_completion_fields():
     assert param_of(completion_params, echo=True, logprobs=1) == "echo"
     assert param_of(completion_params, top_logprobs=1) == "top_logprobs"  # a chat field
     assert completion_params(echo=True, n=2, max_tokens=3).n == 2
+
+
+def test_what_is_not_built_yet_is_refused_not_ignored():
+    # JSON output and tool calls (issue 17): an answer must never silently ignore them.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
+        assert param_of(chat_params, response_format=fmt) == "response_format"
+    assert param_of(chat_params, tools=tools) == "tools"
+    assert param_of(chat_params, tools=tools, tool_choice="required") == "tools"
+    assert param_of(chat_params, tool_choice="auto") == "tool_choice"
+    chat_params(response_format={"type": "text"})
+    chat_params(tools=tools, tool_choice="none")  # shown to the model, no call expected
