@@ -72,3 +72,10 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens that still need a forward pass."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """The sequence's one prefill/decode state: decoding once every token but its newest
+        sampled one has KV; prefilling before (its prompt, or everything again after a
+        preemption), even when a single token is left."""
+        return self.num_output_tokens > 0 and self.num_pending == 1

@@ -34,6 +34,7 @@ class ScheduledChunk:
     seq: Sequence
     num_tokens: int
     samples: bool  # the chunk reaches the sequence's last token, so a new token is sampled
+    decode: bool  # the sequence was decoding (Sequence.is_decoding), not prefilling
 
 
 @dataclass
@@ -94,7 +95,7 @@ class Scheduler:
         already running, or a preempted prefill would come straight back and take them again.
         """
         preempted = self.num_preemptions
-        decodes_wait = any(s.num_pending == 1 for s in self.running)
+        decodes_wait = any(s.is_decoding for s in self.running)
         if (self.prefill_mode == "chunked" and self._has_prefill_work()
                 and not (self._last_step_prefilled and decodes_wait)):
             chunks = self._schedule_running(decodes=False, prefills=True)
@@ -127,25 +128,25 @@ class Scheduler:
         offered to the prefix cache right away, so requests arriving meanwhile can share them."""
         for c in batch.chunks:
             c.seq.num_computed += c.num_tokens
-            if self.prefix_cache is not None and c.num_tokens > 1:
+            if self.prefix_cache is not None and not c.decode:
                 self.prefix_cache.insert(c.seq.token_ids[: c.seq.num_computed], c.seq.pages)
 
     # -- internals -----------------------------------------------------------------------------
 
     def _has_prefill_work(self) -> bool:
-        return any(s.num_pending > 1 for s in self.running) or (
+        return any(not s.is_decoding for s in self.running) or (
             bool(self.waiting) and len(self.running) < self.max_num_sequence
         )
 
     def _schedule_running(self, decodes: bool, prefills: bool) -> list[ScheduledChunk]:
         """Chunks for running sequences: decodes first claim their token, prefills share the rest."""
-        num_decodes = sum(1 for s in self.running if s.num_pending == 1) if decodes else 0
+        num_decodes = sum(1 for s in self.running if s.is_decoding) if decodes else 0
         budget = self.prefill_chunk_size - num_decodes if prefills else 0
         chunks: list[ScheduledChunk] = []
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            is_decode = seq.num_pending == 1
+            is_decode = seq.is_decoding
             n = (1 if decodes else 0) if is_decode else min(seq.num_pending, budget)
             if n <= 0:
                 i += 1
@@ -154,7 +155,7 @@ class Scheduler:
                 continue  # seq preempted itself (it was the newest); nothing left after it
             if not is_decode:
                 budget -= n
-            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending))
+            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=is_decode))
             i += 1
         return chunks
 
@@ -193,7 +194,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             budget -= n
-            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending))
+            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=seq.is_decoding))
         return chunks
 
     def _reuse_prefix(self, seq: Sequence) -> bool:

@@ -177,3 +177,27 @@ def test_a_prefill_that_preempts_itself_is_not_readmitted_in_the_same_step():
         if a.num_output_tokens >= 3:
             break
     assert a.num_output_tokens >= 3  # a keeps decoding instead of b livelocking the engine
+
+
+def test_one_prefill_or_decode_state_a_lone_last_prompt_token_is_prefill():
+    # "Is this a decode?" had three answers; a prompt's last token left alone counted as a
+    # decode in the scheduler (out of the prefill budget, ahead of prefills) and was never
+    # offered to the prefix cache.
+    _, s = make(chunk=8, mode="chunked")
+    a, b = seq("a", 9), seq("b", 3)
+    s.add(a)
+    assert run(s) == [("a", 8, False)]
+    assert not a.is_decoding and a.num_pending == 1
+    s.add(b)
+    batch = s.schedule()  # a prefill step: a's last prompt token and b share the budget
+    assert [(c.seq.request.request_id, c.num_tokens, c.decode) for c in batch.chunks] == [
+        ("a", 1, False), ("b", 3, False)]
+    s.commit(batch)
+    a.token_ids.append(0)
+    b.token_ids.append(0)
+    assert a.is_decoding and b.is_decoding
+    batch = s.schedule()
+    assert [(c.seq.request.request_id, c.num_tokens, c.decode) for c in batch.chunks] == [
+        ("a", 1, True), ("b", 1, True)]
+    s._preempt(b)  # recomputing after a preemption is a prefill again
+    assert not b.is_decoding

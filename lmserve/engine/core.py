@@ -257,8 +257,8 @@ class EngineCore:
 
     def _count(self, batch: Batch) -> None:
         for c in batch.chunks:
-            if c.samples and c.num_tokens == 1 and c.seq.num_output_tokens > 0:
-                self.counters.decode_tokens += 1
+            if c.decode:
+                self.counters.decode_tokens += c.num_tokens
             else:
                 self.counters.prefill_tokens += c.num_tokens
         self.counters.steps += 1
