@@ -10,29 +10,21 @@ from typing import Optional
 
 import torch
 
-from lmserve.attention import resolve_attention, why_no_int8_kv
-from lmserve.attention.base import AttentionShape, create_backend
-from lmserve.attention.cpu_paged import CpuPagedBackend
-from lmserve.cache.kv import KV_DTYPES, KVCache
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
-from lmserve.layers.compiled import CompiledLayerOps
-from lmserve.layers.fused import FusedOps, TorchOps
-from lmserve.layers.linear import FLOAT_DTYPES, resolve_act_dtype, resolve_weight_format
-from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
-from lmserve.models.registry import model_class
+from lmserve.models.loader import read_model_args, resolve_model_path
 from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
 from lmserve.plan import make_plan
 from lmserve.protocol import InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
-from lmserve.runner import ModelRunner
 from lmserve.sampler import SampleResult, SamplingBatch, sample
 from lmserve.sampling_params import SamplingParams
 from lmserve.scheduler import Batch, Scheduler
 from lmserve.support import check_supported
 from lmserve.tokenizer import Tokenizer
+from lmserve.worker import build_worker
 
 logger = logging.getLogger("lmserve")
 
@@ -62,40 +54,19 @@ class EngineCore:
         opt = parse_opt(config.opt)
         self.device = torch.device("cpu")
 
-        weight_format = resolve_weight_format(opt.weight_dtype)
-        weights = load_weights(path, keep_blocks=weight_format not in FLOAT_DTYPES)
-        act = resolve_act_dtype(opt.act_dtype)
-        mlp_act = resolve_act_dtype(opt.mlp_act_dtype) if opt.mlp_act_dtype else act
-        model = model_class(self.args.architecture)(self.args, weights, weight_format, act, mlp_act)
-        del weights
+        self.runner = build_worker(path, self.args, self.plan, opt, self.device)
         self.tokenizer = Tokenizer.from_model(path)
-
-        a, plan = self.args, self.plan
-        shape = AttentionShape(a.num_heads, a.num_kv_heads, a.head_dim)
-        if plan.kv_dtype != opt.kv_dtype:  # int8 KV, which only the C++ kernel reads
-            logger.warning("kv_dtype=%s is unavailable here (%s); using a %s KV cache", opt.kv_dtype,
-                           why_no_int8_kv(shape, plan.page_size), plan.kv_dtype)
-        kv_dtype = KV_DTYPES[plan.kv_dtype]
-        backend = create_backend(resolve_attention(opt.attention, shape, kv_dtype), shape)
-        kv = KVCache(a.num_layers, plan.num_pages, plan.page_size, a.num_kv_heads, a.head_dim,
-                     kv_dtype, self.device, backend.keys_transposed)
+        plan = self.plan
         self.pool = PagePool(plan.num_pages)
         self.prefix_cache = self._make_prefix_cache(config, plan)
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_sequence,
                                    plan.prefill_chunk_size, config.prefill_mode, self.prefix_cache)
-        # cpu_paged means lmserve's C++ kernels throughout: attention and the element-wise ops.
-        ops = TorchOps()
-        if isinstance(backend, CpuPagedBackend):
-            ops = FusedOps.create() or ops
-        compiled = CompiledLayerOps() if opt.compile else None  # parse_opt allows it on dense weights only
-        self.runner = ModelRunner(model, kv, backend, ops, plan.max_single_sequence_length, self.device,
-                                  compiled)
         self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
         self.requests: dict[str, Request] = {}
         self.counters = _Counters()
         if config.verbose:
-            logger.info("model %s (%s, %d layers)\n%s", path, a.architecture, a.num_layers,
-                        plan.describe())
+            logger.info("model %s (%s, %d layers)\n%s", path, self.args.architecture,
+                        self.args.num_layers, plan.describe())
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -1,0 +1,52 @@
+"""Building a worker: one model at an opt level with its attention backend, paged KV cache and
+runner, ready to run steps (``ModelRunner.execute``). The engine's target model is one; a draft
+model for speculative decoding will be a second, built the same way with its own plan."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lmserve.attention import resolve_attention, why_no_int8_kv
+from lmserve.attention.base import AttentionShape, create_backend
+from lmserve.attention.cpu_paged import CpuPagedBackend
+from lmserve.cache.kv import KV_DTYPES, KVCache
+from lmserve.config import OptFlags
+from lmserve.layers.compiled import CompiledLayerOps
+from lmserve.layers.fused import FusedOps, TorchOps
+from lmserve.layers.linear import FLOAT_DTYPES, resolve_act_dtype, resolve_weight_format
+from lmserve.models.args import ModelArgs
+from lmserve.models.loader import load_weights
+from lmserve.models.registry import model_class
+from lmserve.plan import EnginePlan
+from lmserve.runner import ModelRunner
+
+logger = logging.getLogger("lmserve")
+
+
+def build_worker(model_path: str, args: ModelArgs, plan: EnginePlan, opt: OptFlags,
+                 device: torch.device) -> ModelRunner:
+    """Load the weights of ``model_path`` as ``opt`` asks and build the runner over a KV cache
+    of ``plan.num_pages`` pages."""
+    weight_format = resolve_weight_format(opt.weight_dtype)
+    weights = load_weights(model_path, keep_blocks=weight_format not in FLOAT_DTYPES)
+    act = resolve_act_dtype(opt.act_dtype)
+    mlp_act = resolve_act_dtype(opt.mlp_act_dtype) if opt.mlp_act_dtype else act
+    model = model_class(args.architecture)(args, weights, weight_format, act, mlp_act)
+    del weights
+
+    shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
+    if plan.kv_dtype != opt.kv_dtype:  # int8 KV, which only the C++ kernel reads
+        logger.warning("kv_dtype=%s is unavailable here (%s); using a %s KV cache", opt.kv_dtype,
+                       why_no_int8_kv(shape, plan.page_size), plan.kv_dtype)
+    kv_dtype = KV_DTYPES[plan.kv_dtype]
+    backend = create_backend(resolve_attention(opt.attention, shape, kv_dtype), shape)
+    kv = KVCache(args.num_layers, plan.num_pages, plan.page_size, args.num_kv_heads, args.head_dim,
+                 kv_dtype, device, backend.keys_transposed)
+    # cpu_paged means lmserve's C++ kernels throughout: attention and the element-wise ops.
+    ops = TorchOps()
+    if isinstance(backend, CpuPagedBackend):
+        ops = FusedOps.create() or ops
+    compiled = CompiledLayerOps() if opt.compile else None  # parse_opt allows it on dense weights only
+    return ModelRunner(model, kv, backend, ops, plan.max_single_sequence_length, device, compiled)
