@@ -140,7 +140,7 @@ def _sampling_params(request: GenerationRequest, prompt_len: int, max_model_len:
     return params
 
 
-def _check_text_fits(num_chars: int, backend: _BackendBase, param: str) -> None:
+def check_text_fits(num_chars: int, backend: _BackendBase, param: str) -> None:
     """Refuse text too long for the context whatever its tokens, before paying to tokenize it."""
     most = backend.max_model_len * backend.tokenizer.max_token_chars
     if num_chars > most:
@@ -179,7 +179,7 @@ def _prepare_chat(backend: _BackendBase, limits: RequestLimits, kwargs: dict[str
     request = ChatCompletionRequest.parse(kwargs)
     _check_model(request, backend)
     limits.check(request.stop_strings(), 1, request.n or 1)
-    _check_text_fits(sum(_text_chars(m.content) for m in request.messages), backend, "messages")
+    check_text_fits(sum(_text_chars(m.content) for m in request.messages), backend, "messages")
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     try:
         prompt = backend.tokenizer.apply_chat_template([template_message(m) for m in request.messages],
@@ -204,7 +204,7 @@ def _prepare_completion(backend: _BackendBase, limits: RequestLimits, kwargs: di
     limits.check(request.stop_strings(), len(texts), request.n or 1)
     for text in texts:
         if isinstance(text, str):
-            _check_text_fits(len(text), backend, "prompt")
+            check_text_fits(len(text), backend, "prompt")
     runs, prompts = [], []
     for i, text in enumerate(texts):
         # A text prompt starts the sequence, so it gets the model's BOS (chat templates write theirs).

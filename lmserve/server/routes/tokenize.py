@@ -15,7 +15,7 @@ import jinja2
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lmserve.engine.openai_api import template_message
+from lmserve.engine.openai_api import check_text_fits, template_message
 from lmserve.protocol import ChatMessageParam, ChatTool, InvalidRequestError, check_json_values
 from lmserve.server.backend import ServedModel
 from lmserve.server.routes import api_access
@@ -67,14 +67,11 @@ async def tokenize(request: Request) -> dict[str, Any]:
 
 def _tokenize(model: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
     tokenizer = model.tokenizer
-    longest = model.max_model_len * tokenizer.max_token_chars  # more text cannot fit the context
     if "messages" in body:
         req = _parse(TokenizeChatRequest, body)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = [template_message(m) for m in req.messages]
-        if sum(len(m.get("content") or "") for m in messages) > longest:
-            raise InvalidRequestError(f"the messages hold more text than the model's context of "
-                                      f"{model.max_model_len} tokens can", "messages")
+        check_text_fits(sum(len(m.get("content") or "") for m in messages), model, "messages")
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                 tools=tools)
@@ -82,9 +79,7 @@ def _tokenize(model: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
             raise InvalidRequestError(f"cannot render the chat template: {err}", "messages") from None
     else:
         req = _parse(TokenizeTextRequest, body)
-        if len(req.prompt) > longest:
-            raise InvalidRequestError(f"the prompt has {len(req.prompt)} characters, more than the "
-                                      f"model's context of {model.max_model_len} tokens can hold", "prompt")
+        check_text_fits(len(req.prompt), model, "prompt")
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids,
             "token_strs": tokenizer.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None}
