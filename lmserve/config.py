@@ -179,7 +179,8 @@ class EngineConfig:
         attention_sink_size: leading tokens that stay visible under a sliding window.
         max_history_size: past recurrent states kept so a sequence can roll back.
         kv_state_kind: "kv_cache" or "rnn_state"; None = whatever the model needs.
-        speculative_mode: "disable", "small_draft", "eagle" or "medusa".
+        speculative_mode: "disable", "small_draft", "eagle" or "medusa"; also "ngram" (prompt
+            lookup, no extra model; beyond the seed, as vLLM, SGLang and llama.cpp have it).
         spec_draft_length: tokens drafted per step; 0 = chosen each step from the load.
         spec_tree_width: candidates per draft position (tree verification when > 1).
         prefix_cache_mode: "radix" (share the KV of common prefixes) or "disable".
@@ -207,7 +208,7 @@ class EngineConfig:
     attention_sink_size: Optional[int] = None
     max_history_size: Optional[int] = None
     kv_state_kind: Optional[Literal["kv_cache", "rnn_state"]] = None
-    speculative_mode: Literal["disable", "small_draft", "eagle", "medusa"] = "disable"
+    speculative_mode: Literal["disable", "small_draft", "eagle", "medusa", "ngram"] = "disable"
     spec_draft_length: int = 0
     spec_tree_width: int = 1
     prefix_cache_mode: Literal["disable", "radix"] = "radix"
@@ -359,11 +360,16 @@ def _check_combinations(c: EngineConfig) -> None:
             f"max_history_size={c.max_history_size} only applies to kv_state_kind='rnn_state', "
             f"got kv_state_kind='kv_cache'"
         )
-    if c.speculative_mode != "disable" and not c.additional_models:
+    if c.speculative_mode not in ("disable", "ngram") and not c.additional_models:
         raise ValueError(
             f"speculative_mode={c.speculative_mode!r} needs its draft model or heads in "
             f"additional_models, got additional_models=[]"
         )
+    if c.speculative_mode == "disable":
+        for name, default in (("spec_draft_length", 0), ("spec_tree_width", 1)):
+            if getattr(c, name) != default:
+                raise ValueError(f"{name}={getattr(c, name)} needs speculative decoding, but "
+                                 f"speculative_mode='disable'")
     if c.max_total_sequence_length is not None:
         for name in ("max_single_sequence_length", "prefill_chunk_size"):
             value = getattr(c, name)

@@ -60,3 +60,9 @@ class EngineStats:
     prefix_cache_pages: int  # pages the prefix cache holds (some may be shared with requests)
     prefix_cache_queried_tokens: int  # prompt tokens of admitted requests looked up in the cache
     prefix_cache_hit_tokens: int  # of which were found there and not computed again
+    # Speculative decoding (0 / [] when off): verify steps of a sequence that had drafts,
+    # drafted tokens, accepted ones, and accepted ones per draft position (first draft first).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)

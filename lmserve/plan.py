@@ -21,6 +21,7 @@ from lmserve.attention.base import AttentionShape
 from lmserve.cache.kv import kv_bytes_per_head
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.args import ModelArgs
+from lmserve.spec.adaptive import MAX_ADAPTIVE_K
 
 DEFAULT_MODE = "local"
 DEFAULT_MEMORY_UTILIZATION = 0.85
@@ -80,6 +81,7 @@ class EnginePlan:
     mlp_act_dtype: str  # ... entering the MLP
     attention: str  # attention backend
     compile: bool  # the layers' torch ops compiled (opt compile=1)
+    speculative: str  # the drafter and draft tokens per sequence and step, or "off"
     memory: MemoryPlan
 
     def describe(self) -> str:
@@ -143,7 +145,16 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     _check(args, memory, total, single, chunk, util)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
                       opt.weight_dtype, kv_dtype, opt.act_dtype,
-                      opt.mlp_act_dtype or opt.act_dtype, opt.attention, opt.compile, memory)
+                      opt.mlp_act_dtype or opt.act_dtype, opt.attention, opt.compile,
+                      _speculative(config), memory)
+
+
+def _speculative(config: EngineConfig) -> str:
+    if config.speculative_mode == "disable":
+        return "off"
+    k = config.spec_draft_length
+    length = f"{k} draft tokens" if k else f"adaptive, 0-{MAX_ADAPTIVE_K} draft tokens"
+    return f"{config.speculative_mode}, {length} per sequence and step"
 
 
 def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16") -> int:

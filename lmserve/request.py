@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-import torch
 
 from typing import TYPE_CHECKING
 
@@ -32,7 +31,8 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+        """Every choice has its finish reason (its pages may be freed later in the step)."""
+        return all(s.finish_reason is not None for s in self.seqs)
 
 
 @dataclass(eq=False)
@@ -47,7 +47,7 @@ class Sequence:
     request: Request
     index: int
     token_ids: list[int]
-    generator: Optional[torch.Generator]
+    seed: Optional[int]  # of the sampling noise (see EngineCore); None for greedy
     num_computed: int = 0
     pages: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
@@ -55,6 +55,8 @@ class Sequence:
     stop_reason: Union[str, int, None] = None
     # Per-choice output state (detokenizer, stop checker), owned by the output processor.
     output_state: Any = None
+    # Per-choice state of the speculative drafter, owned by it.
+    draft_state: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,23 +18,35 @@ the cache; and when pages run short, the cache gives up unused prefixes before a
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
-from lmserve.cache.pages import PagePool, pages_needed
-from lmserve.cache.radix import RadixCache
+from lmserve.cache.manager import KVCacheManager
 from lmserve.request import Sequence, SeqStatus
 from lmserve.step import SeqStep, StepInput
 
 
 @dataclass
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``seq``, starting at ``seq.num_computed``, in this step."""
+    """``num_tokens`` tokens of ``seq``, starting at ``seq.num_computed``, in this step; a
+    decoding sequence may add up to ``num_lookahead`` draft tokens after its newest token."""
 
     seq: Sequence
     num_tokens: int
     samples: bool  # the chunk reaches the sequence's last token, so a new token is sampled
     decode: bool  # the sequence was decoding (Sequence.is_decoding), not prefilling
+    num_lookahead: int = 0  # draft slots reserved (pages allocated) for this step
+    draft_token_ids: list[int] = field(default_factory=list)  # filled by the drafter
+    num_accepted: int = 0  # drafts the target verified, set before ``Scheduler.update``
+
+    def seq_step(self) -> SeqStep:
+        """The chunk as plain data: its tokens then its drafts, a logit row for each token
+        sampled (the newest token's and one per draft)."""
+        start = self.seq.num_computed
+        tokens = self.seq.token_ids[start : start + self.num_tokens]
+        return SeqStep(start=start, token_ids=tokens + self.draft_token_ids,
+                       page_table=list(self.seq.pages),
+                       num_logits=1 + len(self.draft_token_ids) if self.samples else 0)
 
 
 @dataclass
@@ -43,40 +55,46 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        """Tokens the step runs, drafts included."""
+        return sum(c.num_tokens + len(c.draft_token_ids) for c in self.chunks)
 
     def step_input(self) -> StepInput:
         """The step as the runner sees it: plain data, one ``SeqStep`` per chunk."""
-        return StepInput([
-            SeqStep(start=c.seq.num_computed,
-                    token_ids=c.seq.token_ids[c.seq.num_computed : c.seq.num_computed + c.num_tokens],
-                    page_table=list(c.seq.pages), num_logits=1 if c.samples else 0)
-            for c in self.chunks
-        ])
+        return StepInput([c.seq_step() for c in self.chunks])
+
+
+def _fit(slots: list[int], room: int) -> list[int]:
+    """Draft slots trimmed, longest first, to fit ``room`` tokens: a step never runs more tokens
+    than ``prefill_chunk_size``, which sizes the activations' workspace."""
+    slots = list(slots)
+    while sum(slots) > max(room, 0):
+        slots[slots.index(max(slots))] -= 1
+    return slots
 
 
 def _tokens(chunks: list[ScheduledChunk]) -> int:
-    return sum(c.num_tokens for c in chunks)
+    """Tokens the chunks run, draft slots included."""
+    return sum(c.num_tokens + c.num_lookahead for c in chunks)
 
 
 class Scheduler:
     def __init__(
         self,
-        pool: PagePool,
-        page_size: int,
+        kv: KVCacheManager,
         max_num_sequence: int,
         prefill_chunk_size: int,
         prefill_mode: str = "hybrid",
-        prefix_cache: Optional[RadixCache] = None,
+        lookahead: Optional[Callable[[list[Sequence]], list[int]]] = None,
     ) -> None:
-        self.pool = pool
-        self.page_size = page_size
+        """``lookahead(seqs)``: the draft slots to reserve for each of this step's decoding
+        sequences (the speculative drafter's wish); None without speculation."""
+        self.kv = kv
+        self.lookahead = lookahead
         self.max_num_sequence = max_num_sequence
         self.prefill_chunk_size = prefill_chunk_size
         self.prefill_mode = prefill_mode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.prefix_cache = prefix_cache
         self.num_preemptions = 0
         self._last_step_prefilled = False  # chunked mode alternates prefill and decode steps
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
@@ -118,18 +136,26 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
-        if self.prefix_cache is not None:
-            self.prefix_cache.recycle(seq.token_ids[: seq.num_computed], seq.pages)
-        self._free_pages(seq)
+        self.kv.free(seq, recycle=True)
         seq.status = SeqStatus.FINISHED
 
-    def commit(self, batch: Batch) -> None:
-        """Record that the batch ran: its tokens now have KV in the cache. Prefill chunks are
-        offered to the prefix cache right away, so requests arriving meanwhile can share them."""
+    def update(self, batch: Batch) -> None:
+        """Record what the step verified, after its new tokens were appended: the tokens run
+        and the accepted drafts now have KV, the pages of rejected drafts are released; prefill
+        chunks are offered to the prefix cache at once (so requests arriving meanwhile can share
+        them); sequences that finished free their pages."""
         for c in batch.chunks:
-            c.seq.num_computed += c.num_tokens
-            if self.prefix_cache is not None and not c.decode:
-                self.prefix_cache.insert(c.seq.token_ids[: c.seq.num_computed], c.seq.pages)
+            seq = c.seq
+            if seq.status is SeqStatus.FINISHED:
+                continue  # aborted while its output was processed; its pages are free
+            # The accepted drafts have KV; a stop inside the accepted run may have cut the tokens.
+            seq.num_computed = min(seq.num_computed + c.num_tokens + c.num_accepted,
+                                   len(seq.token_ids))
+            if not c.decode:
+                self.kv.cache(seq)
+            self.kv.rollback(seq)  # pages reserved for rejected or unused draft slots
+            if seq.finish_reason is not None:
+                self.finish(seq)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -139,9 +165,13 @@ class Scheduler:
         )
 
     def _schedule_running(self, decodes: bool, prefills: bool) -> list[ScheduledChunk]:
-        """Chunks for running sequences: decodes first claim their token, prefills share the rest."""
-        num_decodes = sum(1 for s in self.running if s.is_decoding) if decodes else 0
-        budget = self.prefill_chunk_size - num_decodes if prefills else 0
+        """Chunks for running sequences: decodes first claim their token (and draft slots),
+        prefills share the rest."""
+        decoding = [s for s in self.running if s.is_decoding] if decodes else []
+        slots = self.lookahead(decoding) if self.lookahead and decoding else [0] * len(decoding)
+        lookahead = dict(zip(decoding, _fit(slots, self.prefill_chunk_size - len(decoding))))
+        room = self.prefill_chunk_size - len(decoding) - sum(lookahead.values())
+        budget = room if prefills else 0
         chunks: list[ScheduledChunk] = []
         i = 0
         while i < len(self.running):
@@ -151,81 +181,56 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            if not self._reserve(seq, n):
+            granted = self._reserve(seq, n, lookahead.get(seq, 0))
+            if granted is None:
                 continue  # seq preempted itself (it was the newest); nothing left after it
             if not is_decode:
                 budget -= n
-            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=is_decode))
+            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=is_decode,
+                                         num_lookahead=granted))
             i += 1
         return chunks
 
-    def _reserve(self, seq: Sequence, n: int) -> bool:
-        """Give ``seq`` pages for ``n`` more tokens, preempting the newest sequences if needed.
+    def _reserve(self, seq: Sequence, n: int, lookahead: int = 0) -> Optional[int]:
+        """Give ``seq`` pages for ``n`` more tokens, preempting the newest sequences if needed,
+        and for ``lookahead`` draft slots if they fit without preempting anyone.
 
-        Returns False when ``seq`` had to preempt itself (it was the newest one left).
+        Returns the draft slots granted, or None when ``seq`` had to preempt itself (it was the
+        newest one left).
         """
-        need = pages_needed(seq.num_computed + n, self.page_size) - len(seq.pages)
-        while self._make_room(need) < need:
+        if lookahead and self.kv.allocate(seq, n, lookahead):
+            return lookahead
+        while not self.kv.allocate(seq, n):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
-                return False
-        if need > 0:
-            seq.pages += self.pool.alloc(need)
-        return True
+                return None
+        return 0
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_sequence:
             seq = self.waiting[0]
-            reused = self._reuse_prefix(seq)
+            reused = self.kv.match_prefix(seq)
             n = min(seq.num_pending, budget)
-            need = pages_needed(seq.num_computed + n, self.page_size) - len(seq.pages)
-            if self._make_room(need) < need:
+            if not self.kv.allocate(seq, n):
                 if reused:  # give the shared prefix back; it is matched again next time
-                    self._free_pages(seq)
-                    seq.num_computed = 0
+                    self.kv.free(seq)
                 break  # first come, first served: nobody overtakes the head of the queue
             if reused:
                 self.prefix_queried_tokens += len(seq.token_ids)
                 self.prefix_hit_tokens += seq.num_computed
             self.waiting.popleft()
-            seq.pages += self.pool.alloc(need)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             budget -= n
-            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=seq.is_decoding))
+            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending,
+                                         decode=seq.is_decoding))
         return chunks
-
-    def _reuse_prefix(self, seq: Sequence) -> bool:
-        """Start a fresh sequence from the cached pages of its longest cached prefix; returns
-        whether the cache was consulted.
-
-        The last token is never matched: its forward pass gives the logits to sample from.
-        """
-        if self.prefix_cache is None or seq.num_computed or seq.pages:
-            return False
-        pages = self.prefix_cache.match(seq.token_ids[:-1])
-        self.pool.share(pages)
-        seq.pages = pages
-        seq.num_computed = len(pages) * self.page_size
-        return True
-
-    def _make_room(self, need: int) -> int:
-        """Evict unused cached prefixes until ``need`` pages are free, if the cache has them;
-        returns the pages free now."""
-        if self.prefix_cache is not None and need > self.pool.num_free:
-            self.prefix_cache.evict(need - self.pool.num_free)
-        return self.pool.num_free
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._free_pages(seq)
-        seq.num_computed = 0
+        self.kv.free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
-
-    def _free_pages(self, seq: Sequence) -> None:
-        self.pool.release(seq.pages)
-        seq.pages = []

@@ -19,6 +19,7 @@ from lmserve.bench.client import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, Target, ar
 from lmserve.bench.datasets import SampleRequest, length_range, random_dataset, shared_prefix_dataset
 from lmserve.bench.metrics import RequestResult, compute_metrics, latency_samples, summarize, tpot
 from lmserve.bench.report import RunInfo, format_table, percentile_word, result_dict
+from lmserve.bench.spec_decode import SpecDecodeCounts, parse_spec_decode
 from lmserve.bench.tokenizers import LocalTokenizer
 from lmserve.tokenizer import Tokenizer
 
@@ -262,11 +263,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir):
-    """``lmserve serve`` of the tiny model on a free loopback port, ready (GET /health)."""
+    """``lmserve serve`` of the tiny model on a free loopback port, ready (GET /health), with
+    prompt-lookup speculation (the random model repeats itself, so drafts are accepted)."""
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "lmserve.cli", "serve", "--model", tiny_model_dir,
-         "--port", str(port), "--max-num-sequence", "8"],
+         "--port", str(port), "--max-num-sequence", "8", "--speculative-mode", "ngram",
+         "--spec-draft-length", "3"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -308,20 +311,20 @@ def _bench(url: str, tmp_path, *flags: str) -> tuple[dict, subprocess.CompletedP
 def test_bench_against_lmserve_serve(server_url, tmp_path):
     plot = tmp_path / "latency.png"
     r, proc = _bench(server_url, tmp_path, "--dataset", "random", "--num-prompts", "16",
-                     "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos",
+                     "--random-input-len", "32", "--random-output-len", "24", "--ignore-eos",
                      "--max-concurrency", "4", "--plot", str(plot))
     assert "============ Serving Benchmark Result ============" in proc.stdout
     assert (r["completed"], r["failed"]) == (16, 0)
     assert r["errors"] == [""] * 16
     assert r["max_concurrency"] == 4 and r["request_rate"] == "inf" and r["num_prompts"] == 16
     # ignore_eos: every request generates exactly what it asked for.
-    assert r["total_output_tokens"] == 16 * 8 and r["output_lens"] == [8] * 16
+    assert r["total_output_tokens"] == 16 * 24 and r["output_lens"] == [24] * 16
     assert r["input_lens"] == [32] * 16 and r["total_input_tokens"] == 16 * 32
     duration = r["duration"]
     assert duration > 0
     assert r["request_throughput"] == pytest.approx(16 / duration)
-    assert r["output_throughput"] == pytest.approx(16 * 8 / duration)
-    assert r["total_token_throughput"] == pytest.approx(16 * (32 + 8) / duration)
+    assert r["output_throughput"] == pytest.approx(16 * 24 / duration)
+    assert r["total_token_throughput"] == pytest.approx(16 * (32 + 24) / duration)
     for name in ("ttft", "tpot", "itl", "e2el"):
         assert r[f"p99_{name}_ms"] >= r[f"median_{name}_ms"] >= 0, name
         assert r[f"mean_{name}_ms"] >= 0 and r[f"std_{name}_ms"] >= 0, name
@@ -331,6 +334,35 @@ def test_bench_against_lmserve_serve(server_url, tmp_path):
     assert max(r["ttfts"][i] + sum(r["itls"][i]) for i in range(16)) <= duration
     assert r["mean_e2el_ms"] >= r["mean_ttft_ms"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The server counted drafts during the run: the acceptance section, from its /metrics.
+    assert "Speculative Decoding" in proc.stdout and "Acceptance length:" in proc.stdout
+    assert 0 < r["spec_decode_draft_tokens"] <= 3 * r["spec_decode_num_drafts"]
+    assert r["spec_decode_acceptance_rate"] == pytest.approx(
+        100 * r["spec_decode_accepted_tokens"] / r["spec_decode_draft_tokens"])
+    assert 1 <= r["spec_decode_acceptance_length"] <= 4
+
+
+def test_spec_decode_counters_are_read_from_lmservess_and_vllms_metrics():
+    from prometheus_client import generate_latest
+
+    from lmserve.outputs import EngineStats
+    from lmserve.server.metrics import ServerMetrics
+
+    stats = EngineStats(1, 0, 3, 10, 0, 5, 7, 9, 0, 0, 0, spec_num_drafts=4,
+                        spec_num_draft_tokens=12, spec_num_accepted_tokens=6,
+                        spec_accepted_per_pos=[3, 2, 1])
+    ours = parse_spec_decode(generate_latest(ServerMetrics(lambda: stats).registry).decode())
+    assert (ours.num_drafts, ours.num_draft_tokens, ours.num_accepted_tokens) == (4, 12, 6)
+    assert ours.accepted_per_pos == {0: 3, 1: 2, 2: 1}
+    assert (ours.acceptance_rate, ours.acceptance_length) == (0.5, 2.5)
+    vllm = parse_spec_decode(
+        "# TYPE vllm:spec_decode_num_drafts_total counter\n"
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0\n'
+        "vllm:spec_decode_num_draft_tokens_total 30.0\n"
+        "vllm:spec_decode_num_accepted_tokens_total 15.0\n")
+    assert (vllm.num_drafts, vllm.num_accepted_tokens) == (10, 15)
+    assert (vllm - SpecDecodeCounts(num_drafts=5, num_draft_tokens=10)).num_draft_tokens == 20
+    assert parse_spec_decode("lmserve:prefix_cache_hits_total 3.0\n") is None
 
 
 def test_bench_chat_shared_prefix_against_lmserve_serve(server_url, tmp_path):

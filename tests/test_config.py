@@ -28,7 +28,8 @@ SEED_FIELDS = [
     ("attention_sink_size", Optional[int], None),
     ("max_history_size", Optional[int], None),
     ("kv_state_kind", Optional[Literal["kv_cache", "rnn_state"]], None),
-    ("speculative_mode", Literal["disable", "small_draft", "eagle", "medusa"], "disable"),
+    # The seed's four modes plus "ngram" (prompt lookup), an extension the peers all have.
+    ("speculative_mode", Literal["disable", "small_draft", "eagle", "medusa", "ngram"], "disable"),
     ("spec_draft_length", int, 0),
     ("spec_tree_width", int, 1),
     ("prefix_cache_mode", Literal["disable", "radix"], "radix"),
@@ -131,11 +132,13 @@ BAD_VALUES = [
     ({"max_history_size": 0}, ValueError, "0"),
     ({"max_history_size": 2, "kv_state_kind": "kv_cache"}, ValueError, "2"),
     ({"kv_state_kind": "paged"}, ValueError, "'paged'"),
-    ({"speculative_mode": "ngram"}, ValueError, "'ngram'"),
+    ({"speculative_mode": "lookahead"}, ValueError, "'lookahead'"),
     ({"speculative_mode": None}, TypeError, "None"),
     ({"speculative_mode": "small_draft"}, ValueError, "'small_draft'"),
     ({"spec_draft_length": -1}, ValueError, "-1"),
     ({"spec_tree_width": 0}, ValueError, "0"),
+    ({"spec_draft_length": 4}, ValueError, "4"),  # speculation is off: it would do nothing
+    ({"spec_tree_width": 2}, ValueError, "2"),
     ({"prefix_cache_mode": "lru"}, ValueError, "'lru'"),
     ({"prefix_cache_max_num_recycling_seqs": -2}, ValueError, "-2"),
     ({"prefill_mode": "split"}, ValueError, "'split'"),
@@ -286,6 +289,8 @@ def test_default_config_is_supported():
         {"kv_state_kind": "kv_cache"},
         {"prefill_mode": "chunked"},
         {"max_num_sequence": 8, "max_total_sequence_length": 4096, "prefill_chunk_size": 256},
+        {"speculative_mode": "ngram"},
+        {"speculative_mode": "ngram", "spec_draft_length": 5},
     ],
 )
 def test_built_features_are_supported(kwargs):
@@ -301,8 +306,8 @@ UNBUILT = [
     ({"max_history_size": 1}, "max_history_size"),
     ({"kv_state_kind": "rnn_state"}, "kv_state_kind"),
     ({"speculative_mode": "small_draft", "additional_models": ["d"]}, "speculative_mode"),
-    ({"spec_draft_length": 4}, "spec_draft_length"),
-    ({"spec_tree_width": 2}, "spec_tree_width"),
+    ({"speculative_mode": "eagle", "additional_models": ["d"]}, "speculative_mode"),
+    ({"speculative_mode": "ngram", "spec_tree_width": 2}, "spec_tree_width"),
     ({"additional_models": ["d"]}, "additional_models"),
 ]
 

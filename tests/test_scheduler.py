@@ -1,5 +1,6 @@
 """Scheduler without a model: exact chunks, page ids, preemption order (vLLM-style cache tests)."""
 
+from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.scheduler import Scheduler
@@ -7,7 +8,7 @@ from lmserve.scheduler import Scheduler
 
 def seq(name: str, prompt_len: int) -> Sequence:
     req = Request(name, list(range(prompt_len)), params=None)
-    s = Sequence(req, 0, list(range(prompt_len)), generator=None)
+    s = Sequence(req, 0, list(range(prompt_len)), seed=None)
     req.seqs.append(s)
     return s
 
@@ -17,16 +18,16 @@ def run(sched: Scheduler):
     batch = sched.schedule()
     if batch is None:
         return []
-    sched.commit(batch)
     for c in batch.chunks:
         if c.samples:
             c.seq.token_ids.append(0)
+    sched.update(batch)
     return [(c.seq.request.request_id, c.num_tokens, c.samples) for c in batch.chunks]
 
 
 def make(num_pages=16, page_size=4, max_seqs=4, chunk=16, mode="hybrid"):
     pool = PagePool(num_pages)
-    return pool, Scheduler(pool, page_size, max_seqs, chunk, mode)
+    return pool, Scheduler(KVCacheManager(pool, page_size), max_seqs, chunk, mode)
 
 
 def test_long_prompt_is_prefilled_in_chunks_and_decodes_join_the_next_prompt():
@@ -192,9 +193,9 @@ def test_one_prefill_or_decode_state_a_lone_last_prompt_token_is_prefill():
     batch = s.schedule()  # a prefill step: a's last prompt token and b share the budget
     assert [(c.seq.request.request_id, c.num_tokens, c.decode) for c in batch.chunks] == [
         ("a", 1, False), ("b", 3, False)]
-    s.commit(batch)
     a.token_ids.append(0)
     b.token_ids.append(0)
+    s.update(batch)
     assert a.is_decoding and b.is_decoding
     batch = s.schedule()
     assert [(c.seq.request.request_id, c.num_tokens, c.decode) for c in batch.chunks] == [

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool, pages_needed
 from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
@@ -20,7 +21,8 @@ def _seq(name: str, tokens: list[int]) -> Sequence:
 
 
 def test_the_scheduler_describes_each_sequence_of_a_step():
-    s = Scheduler(PagePool(16), page_size=4, max_num_sequence=4, prefill_chunk_size=8)
+    s = Scheduler(KVCacheManager(PagePool(16), page_size=4), max_num_sequence=4,
+                  prefill_chunk_size=8)
     a, b = _seq("a", list(range(10, 16))), _seq("b", list(range(20, 25)))
     s.add(a)
     s.add(b)
@@ -29,8 +31,8 @@ def test_the_scheduler_describes_each_sequence_of_a_step():
         SeqStep(start=0, token_ids=[10, 11, 12, 13, 14, 15], page_table=[0, 1], num_logits=1),
         SeqStep(start=0, token_ids=[20, 21], page_table=[2], num_logits=0),
     ])
-    s.commit(batch)
     a.token_ids.append(99)  # a sampled its first token
+    s.update(batch)
     step = s.schedule().step_input()
     assert step == StepInput([
         SeqStep(start=6, token_ids=[99], page_table=[0, 1], num_logits=1),

@@ -144,6 +144,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lmserve.bench.client import Target, check_request, first_model, run_load
     from lmserve.bench.metrics import compute_metrics
     from lmserve.bench.report import RunInfo, format_table, plot_latencies, result_dict, write_result
+    from lmserve.bench.spec_decode import scrape_spec_decode
     from lmserve.bench.tokenizers import resolve_tokenizer
 
     base_url = args.base_url.rstrip("/")
@@ -161,8 +162,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         rate = "inf" if math.isinf(args.request_rate) else args.request_rate
         _log(f"benchmarking {len(requests)} requests at {rate} requests/s, max concurrency "
              f"{args.max_concurrency or 'unlimited'}")
+        spec_before = scrape_spec_decode(base_url)
         results, duration = asyncio.run(run_load(target, requests, args.request_rate,
                                                  args.max_concurrency, args.seed, not args.no_progress))
+        spec_after = scrape_spec_decode(base_url)
     except KeyboardInterrupt:
         return 130
     except (OSError, aiohttp.ClientError, ValueError, RuntimeError, KeyError) as err:
@@ -177,11 +180,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     metrics = compute_metrics(results, duration, args.metric_percentiles)
     info = RunInfo(_BACKENDS[args.endpoint], model, tokenizer.name, args.num_prompts,
                    args.request_rate, args.max_concurrency)
-    print(format_table(metrics, info), flush=True)
+    spec = spec_after - spec_before if spec_before and spec_after else None
+    print(format_table(metrics, info, spec), flush=True)
     if errors := [r.error for r in results if not r.success]:
         _log(f"{len(errors)} requests failed; the first error: {errors[0]}")
     if args.result_file:
-        write_result(args.result_file, result_dict(metrics, results, info))
+        write_result(args.result_file, result_dict(metrics, results, info, spec))
     if args.plot:
         plot_latencies(results, args.plot)
     return 0 if metrics.completed else 1

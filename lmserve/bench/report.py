@@ -16,6 +16,7 @@ from lmserve.bench.metrics import (
     latency_samples,
     output_lens,
 )
+from lmserve.bench.spec_decode import SpecDecodeCounts, format_spec_decode
 
 _TITLES = {  # metric -> (short name, section header), as vLLM prints them
     "ttft": ("TTFT", "Time to First Token"),
@@ -43,8 +44,10 @@ def percentile_word(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
-def format_table(metrics: BenchmarkMetrics, info: RunInfo) -> str:
-    """The result table, line for line as vLLM ``bench serve`` prints it."""
+def format_table(metrics: BenchmarkMetrics, info: RunInfo,
+                 spec: Optional[SpecDecodeCounts] = None) -> str:
+    """The result table, line for line as vLLM ``bench serve`` prints it (with its speculative
+    decoding section when the server counted drafts during the run)."""
     lines = [f"{' Serving Benchmark Result ':=^{_WIDTH}}"]
 
     def row(label: str, value: Any, fmt: str = "") -> None:
@@ -70,13 +73,16 @@ def format_table(metrics: BenchmarkMetrics, info: RunInfo) -> str:
         row(f"Median {short} (ms):", dist.median, ".2f")
         for p, value in dist.percentiles.items():
             row(f"P{percentile_word(p)} {short} (ms):", value, ".2f")
+    if spec is not None and spec.num_drafts:
+        lines += format_spec_decode(spec, _WIDTH)
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
 
 
-def result_dict(metrics: BenchmarkMetrics, results: Sequence[RequestResult], info: RunInfo) -> dict[str, Any]:
+def result_dict(metrics: BenchmarkMetrics, results: Sequence[RequestResult], info: RunInfo,
+                spec: Optional[SpecDecodeCounts] = None) -> dict[str, Any]:
     """The result file's content, with vLLM ``bench serve``'s keys (times in seconds in the
-    per-request arrays, milliseconds in the statistics)."""
+    per-request arrays, milliseconds in the statistics; spec-decode counts when drafted)."""
     result: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": info.backend,
@@ -110,6 +116,12 @@ def result_dict(metrics: BenchmarkMetrics, results: Sequence[RequestResult], inf
         result[f"std_{name}_ms"] = dist.std
         for p, value in dist.percentiles.items():
             result[f"p{percentile_word(p)}_{name}_ms"] = value
+    if spec is not None and spec.num_drafts:
+        result["spec_decode_acceptance_rate"] = 100 * spec.acceptance_rate
+        result["spec_decode_acceptance_length"] = spec.acceptance_length
+        result["spec_decode_num_drafts"] = spec.num_drafts
+        result["spec_decode_draft_tokens"] = spec.num_draft_tokens
+        result["spec_decode_accepted_tokens"] = spec.num_accepted_tokens
     return result
 
 

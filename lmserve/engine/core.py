@@ -6,10 +6,11 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
+from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
 from lmserve.config import EngineConfig, parse_opt
@@ -20,6 +21,7 @@ from lmserve.plan import make_plan
 from lmserve.protocol import InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.sampler import SampleResult, SamplingBatch, sample
+from lmserve.spec.speculator import SpecCounters, make_speculator, num_accepted
 from lmserve.sampling_params import SamplingParams
 from lmserve.scheduler import Batch, Scheduler
 from lmserve.support import check_supported
@@ -41,7 +43,7 @@ class _Counters:
 
 
 class EngineCore:
-    """Loads the model and runs steps: schedule, forward, sample, append. Not thread-safe:
+    """Loads the model and runs steps: schedule, execute, sample, append, update. Not thread-safe:
     exactly one thread (the engine loop) calls ``add_request``, ``abort_request`` and ``step``."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -59,8 +61,11 @@ class EngineCore:
         plan = self.plan
         self.pool = PagePool(plan.num_pages)
         self.prefix_cache = self._make_prefix_cache(config, plan)
-        self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_sequence,
-                                   plan.prefill_chunk_size, config.prefill_mode, self.prefix_cache)
+        self.kv_manager = KVCacheManager(self.pool, plan.page_size, self.prefix_cache)
+        self.speculator = make_speculator(config, plan)
+        self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
+                                   config.prefill_mode,
+                                   self.speculator.lookahead if self.speculator else None)
         self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
         self.requests: dict[str, Request] = {}
         self.counters = _Counters()
@@ -100,7 +105,7 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params)
         for i in range(params.n):
-            req.seqs.append(Sequence(req, i, list(prompt_token_ids), self._generator(params, i)))
+            req.seqs.append(Sequence(req, i, list(prompt_token_ids), _seed(params, i)))
         self.requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)
@@ -123,12 +128,12 @@ class EngineCore:
 
     def pages_held_by_requests(self) -> int:
         """KV pages some request holds (pages only the prefix cache holds do not count)."""
-        cache_only = self.prefix_cache.evictable_pages() if self.prefix_cache else 0
-        return self.pool.num_used - cache_only
+        return self.kv_manager.pages_held_by_sequences()
 
     def stats(self) -> EngineStats:
         """A snapshot of queue sizes, KV use and counters (readable from any thread)."""
         sched, c = self.scheduler, self.counters
+        spec = self.speculator.counters if self.speculator else SpecCounters()
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -141,6 +146,10 @@ class EngineCore:
             prefix_cache_pages=self.prefix_cache.num_pages if self.prefix_cache else 0,
             prefix_cache_queried_tokens=sched.prefix_queried_tokens,
             prefix_cache_hit_tokens=sched.prefix_hit_tokens,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=list(spec.accepted_per_pos),
         )
 
     def release_idle_memory(self) -> int:
@@ -154,7 +163,9 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass over the next batch; return each touched request's news."""
+        """Schedule, execute, sample, append, update: one forward pass over the next batch;
+        returns each touched request's news. Sequences advance (and offer tokens to the prefix
+        cache) only in ``update``, after their new tokens are known."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -162,12 +173,16 @@ class EngineCore:
         for chunk in batch.chunks:
             if chunk.seq.request.first_scheduled_time is None:
                 chunk.seq.request.first_scheduled_time = now
+        if self.speculator is not None:
+            self.speculator.propose(batch)
         logits = self.runner.execute(batch.step_input())
-        self.scheduler.commit(batch)
-        sampling = [c.seq for c in batch.chunks if c.samples]
-        result = sample(logits, self._sampling_batch(sampling)) if sampling else None
+        new_tokens = self._sample(batch, logits)
+        if self.speculator is not None:
+            self.speculator.record(batch, time.monotonic() - now)
+        outputs = self._append(new_tokens)
+        self.scheduler.update(batch)
         self._count(batch)
-        return self._append(sampling, result)
+        return outputs
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -180,27 +195,40 @@ class EngineCore:
             limit = plan.max_num_sequence
         return RadixCache(self.pool, plan.page_size, max_recycled=None if limit == -1 else limit)
 
-    @staticmethod
-    def _generator(params: SamplingParams, index: int) -> Optional[torch.Generator]:
-        if params.is_greedy:
-            return None
-        seed = params.seed + index if params.seed is not None else random.getrandbits(63)
-        return torch.Generator().manual_seed(seed)
-
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch.build(
-            params=[s.request.params for s in seqs],
-            generators=[s.generator for s in seqs],
-            prompt_token_ids=[s.request.prompt_token_ids for s in seqs],
-            output_token_ids=[s.output_token_ids for s in seqs],
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> list[_NewTokens]:
+        """Each sampling chunk's new tokens: a row per drafted position and one after, sampled
+        as if the drafts before it were accepted; the drafts accepted and the target's token
+        after them (see ``lmserve.spec.speculator``). Without drafts: one sampled token."""
+        chunks = [c for c in batch.chunks if c.samples]
+        if not chunks:
+            return []
+        # (sequence, the drafts before the row's position)
+        rows = [(c.seq, c.draft_token_ids[:j])
+                for c in chunks for j in range(len(c.draft_token_ids) + 1)]
+        result = sample(logits, SamplingBatch.build(
+            params=[seq.request.params for seq, _ in rows],
+            generators=[_generator(seq.seed, len(seq.token_ids) + len(before))
+                        for seq, before in rows],
+            prompt_token_ids=[seq.request.prompt_token_ids for seq, _ in rows],
+            output_token_ids=[seq.output_token_ids + before for seq, before in rows],
             vocab_size=self.args.vocab_size,
             device=self.device,
             eos_token_ids=self.tokenizer.eos_token_ids,
-        )
+        ))
+        sampled = result.token_ids.tolist()
+        new, row = [], 0
+        for c in chunks:
+            c.num_accepted = num_accepted(c.draft_token_ids, sampled[row:])
+            kept = range(row, row + c.num_accepted + 1)
+            logprobs = [_logprob(result, r, c.seq.request.params) for r in kept]
+            new.append(_NewTokens(c.seq, [sampled[r] for r in kept],
+                                  None if logprobs[0] is None else logprobs))
+            row += len(c.draft_token_ids) + 1
+        return new
 
-    def _append(self, seqs: list[Sequence], result: Optional[SampleResult]) -> list[RequestOutput]:
+    def _append(self, new_tokens: list[_NewTokens]) -> list[RequestOutput]:
         by_request: dict[str, RequestOutput] = {}
-        for row, seq in enumerate(seqs):
+        for seq, token_ids, logprobs in new_tokens:
             req = seq.request
             out = by_request.setdefault(req.request_id, RequestOutput(
                 req.request_id, req.prompt_token_ids, [], False,
@@ -208,16 +236,12 @@ class EngineCore:
             if out.error is not None:
                 continue  # an earlier choice of this request already failed it
             try:
-                token = int(result.token_ids[row])
-                logprob = _logprob(result, row, req.params)
-                delta = self.outputs.append(seq, [token], [logprob] if logprob is not None else None)
+                delta = self.outputs.append(seq, token_ids, logprobs)
             except Exception as exc:  # fail this request only; the others go on
                 logger.exception("request %s failed while processing its output", req.request_id)
                 self.abort_request(req.request_id)
                 out.error, out.finished = exc, True
                 continue
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
             out.deltas.append(delta)
         for out in by_request.values():
             if out.error is None:
@@ -233,6 +257,36 @@ class EngineCore:
             else:
                 self.counters.prefill_tokens += c.num_tokens
         self.counters.steps += 1
+
+
+class _NewTokens(NamedTuple):
+    """A sequence's tokens from one step (one, or accepted drafts and one more), in order."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: Optional[list[TokenLogprob]]
+
+
+def _seed(params: SamplingParams, index: int) -> Optional[int]:
+    """The noise seed of choice ``index`` (None for greedy): the request's seed, or a fresh one."""
+    if params.is_greedy:
+        return None
+    return params.seed + index if params.seed is not None else random.getrandbits(63)
+
+
+def _generator(seed: Optional[int], position: int) -> Optional[torch.Generator]:
+    """The noise for sampling the token at ``position``: a function of the seed and the position
+    only (SplitMix64 of both), so a seeded request draws the same tokens whatever its batch
+    company, preemptions, or how many tokens a step verified (speculative decoding)."""
+    if seed is None:
+        return None
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return torch.Generator().manual_seed((z ^ (z >> 31)) >> 1)
+
+
+_MASK64 = (1 << 64) - 1
 
 
 def _logprob(result: SampleResult, row: int, params: SamplingParams) -> Optional[TokenLogprob]:

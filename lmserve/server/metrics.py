@@ -56,6 +56,20 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("lmserve:prefix_cache_hits",
                                   "Prompt tokens found in the prefix cache (not computed again).",
                                   value=s.prefix_cache_hit_tokens)
+        # Speculative decoding, vLLM's names (all 0 when it is off).
+        yield CounterMetricFamily("lmserve:spec_decode_num_drafts",
+                                  "Verify steps of a sequence that had draft tokens.",
+                                  value=s.spec_num_drafts)
+        yield CounterMetricFamily("lmserve:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                  value=s.spec_num_draft_tokens)
+        yield CounterMetricFamily("lmserve:spec_decode_num_accepted_tokens",
+                                  "Draft tokens accepted.", value=s.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily("lmserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft (0: first).",
+                                      labels=["position"])
+        for pos, accepted in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([str(pos)], accepted)
+        yield per_pos
 
 
 class ServerMetrics:

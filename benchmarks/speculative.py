@@ -1,0 +1,168 @@
+"""Speculative decoding against none, side by side in one run, on the built-in model.
+
+Input-grounded prompts (rewrite, extract from or edit a given text or code: what prompt lookup
+is for) and plain chat prompts, each sent ``--concurrency`` at a time (greedy, fixed output
+length), to engines with speculation off, ngram with fixed draft lengths, and ngram with the
+adaptive length (spec_draft_length=0). Rounds are interleaved (every engine once per round) and
+the median of the rounds is reported: output tokens per second and the ratio to speculation off,
+with the acceptance (accepted drafts / drafts) and the mean tokens per verify step. Every
+engine's output is checked to be token for token the output with speculation off.
+
+    .venv/bin/python benchmarks/speculative.py [--rounds 3] [--concurrency 1 4 16] \
+        [--lengths 0 2 4 8] [--opt O2] [--max-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+from lmserve import Engine, SamplingParams
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+CODE = '''def load_orders(path):
+    orders = []
+    with open(path) as f:
+        for line in f:
+            fields = line.strip().split(",")
+            if len(fields) != 4:
+                continue
+            order_id, customer, amount, date = fields
+            orders.append({"id": order_id, "customer": customer,
+                           "amount": float(amount), "date": date})
+    return orders
+'''
+
+
+def grounded_prompts() -> list[str]:
+    with open(os.path.join(HERE, "data", "perplexity_text.txt")) as f:
+        paragraphs = [p for p in f.read().split("\n\n") if p.strip()]
+    asks = [
+        "Rewrite the following text word for word, changing nothing:\n\n{}",
+        "Copy the first three sentences of this text exactly:\n\n{}",
+        "Here is a passage.\n\n{}\n\nQuote the sentence that mentions the river, exactly.",
+        "Correct the spelling in this text and return the whole text:\n\n{}",
+    ]
+    prompts = [ask.format(p) for ask, p in zip(asks * 4, paragraphs)]
+    prompts += [
+        f"Rename the function load_orders to read_orders in this code and return all of it:\n\n{CODE}",
+        f"Add a docstring to this function and return the whole function:\n\n{CODE}",
+        f"Return this code unchanged, then say what it does:\n\n{CODE}",
+    ]
+    return prompts
+
+
+CHAT = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Tell me a very short story about a robot who learns to paint.",
+    "Give three tips for learning a new language.",
+    "Why do cats purr?",
+]
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams,
+              concurrency: int) -> tuple[float, int, list[list[int]]]:
+    """Send the prompts ``concurrency`` at a time; (seconds, output tokens, outputs)."""
+    outputs: list = [None] * len(prompts)
+    next_index = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(next_index, None)
+            if i is None:
+                return
+            outputs[i] = [t for o in engine.generate(prompts[i], params) for d in o.deltas
+                          for t in d.token_ids]
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start, sum(len(o) for o in outputs), outputs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[0, 2, 4, 8],
+                    help="ngram draft lengths to run (0 = adaptive)")
+    ap.add_argument("--opt", default=None)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--workloads", nargs="+", default=["grounded", "chat"])
+    args = ap.parse_args()
+
+    configs = {"off": {}} | {
+        (f"ngram k={k}" if k else "ngram adaptive"): dict(speculative_mode="ngram",
+                                                          spec_draft_length=k)
+        for k in args.lengths
+    }
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), "unknown CPU")
+    print(f"CPU: {cpu}, {os.cpu_count()} cores; opt {args.opt or 'default'}; "
+          f"{args.max_tokens} tokens per request; median of {args.rounds} rounds", flush=True)
+
+    # (workload, concurrency, config) -> [tokens/s per round]; and acceptance counters
+    rates: dict[tuple, list[float]] = {}
+    accept: dict[tuple, list[tuple[int, int, int]]] = {}
+    reference: dict[tuple, list[list[int]]] = {}
+    for r in range(args.rounds):
+        for name, kwargs in configs.items():
+            engine = Engine(opt=args.opt, max_num_sequence=max(args.concurrency), verbose=False,
+                            **kwargs)
+            tok = engine.tokenizer
+            workloads = {"grounded": grounded_prompts(), "chat": CHAT}
+            for workload in args.workloads:
+                prompts = [tok.apply_chat_template([{"role": "user", "content": p}])
+                           for p in workloads[workload]]
+                run_batch(engine, prompts[:1], SamplingParams(temperature=0, max_tokens=4), 1)
+                for c in args.concurrency:
+                    # Enough requests that every concurrency keeps its streams busy.
+                    batch = (prompts * (1 + 2 * c // len(prompts)))[: max(len(prompts), 2 * c)]
+                    before = _counts(engine)
+                    seconds, tokens, outputs = run_batch(engine, batch, params, c)
+                    key = (workload, c, name)
+                    rates.setdefault(key, []).append(tokens / seconds)
+                    after = _counts(engine)
+                    accept.setdefault(key, []).append(tuple(a - b for a, b in zip(after, before)))
+                    ref = reference.setdefault((workload, c), outputs)
+                    if outputs != ref:
+                        sys.exit(f"{name}: output differs from speculation off ({workload}, c={c})")
+            engine.shutdown()
+        print(f"round {r + 1} done", flush=True)
+
+    for workload in args.workloads:
+        print(f"\n{workload} prompts: output tokens/s (ratio to off); acceptance; tokens per step")
+        header = f"{'config':<16}" + "".join(f"{'c=' + str(c):>34}" for c in args.concurrency)
+        print(header)
+        for name in configs:
+            cells = []
+            for c in args.concurrency:
+                rate = statistics.median(rates[(workload, c, name)])
+                off = statistics.median(rates[(workload, c, "off")])
+                drafts, drafted, accepted = (sum(x) for x in zip(*accept[(workload, c, name)]))
+                extra = (f" {accepted / drafted:4.0%} {1 + accepted / drafts:4.2f}"
+                         if drafts else " " * 10)
+                cells.append(f"{rate:8.1f} ({rate / off:5.2f}x){extra}")
+            print(f"{name:<16}" + "".join(f"{cell:>34}" for cell in cells))
+
+
+def _counts(engine: Engine) -> tuple[int, int, int]:
+    s = engine.stats()
+    return (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
+
+
+if __name__ == "__main__":
+    main()

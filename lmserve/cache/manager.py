@@ -1,0 +1,87 @@
+"""The KV-cache manager: the scheduler's only door to KV memory.
+
+It owns the page pool and the prefix cache and keeps each sequence's page table
+(``Sequence.pages``, one page per ``page_size`` positions) in step with what the sequence has
+computed. The scheduler asks it five things: reuse a cached prefix, allocate pages for the next
+tokens (with lookahead for draft tokens that may be rejected), free a sequence, offer verified
+tokens to the prefix cache, and roll back pages past what was verified. Only full pages holding
+verified tokens ever enter the prefix cache.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lmserve.cache.pages import PagePool, pages_needed
+from lmserve.cache.radix import RadixCache
+from lmserve.request import Sequence
+
+
+class KVCacheManager:
+    """Full-attention paged KV: a sequence holds the pages of positions ``[0, len)`` in order."""
+
+    def __init__(self, pool: PagePool, page_size: int,
+                 prefix_cache: Optional[RadixCache] = None) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.prefix_cache = prefix_cache
+
+    def match_prefix(self, seq: Sequence) -> bool:
+        """Start a sequence without KV from the cached pages of its longest cached prefix
+        (``seq.num_computed`` becomes the tokens reused); returns whether the cache was consulted.
+
+        The last token is never matched: its forward pass gives the logits to sample from.
+        """
+        if self.prefix_cache is None or seq.num_computed or seq.pages:
+            return False
+        pages = self.prefix_cache.match(seq.token_ids[:-1])
+        self.pool.share(pages)
+        seq.pages = pages
+        seq.num_computed = len(pages) * self.page_size
+        return True
+
+    def pages_to_allocate(self, seq: Sequence, num_tokens: int, lookahead: int = 0) -> int:
+        """New pages ``allocate(seq, num_tokens, lookahead)`` would take."""
+        return max(0, pages_needed(seq.num_computed + num_tokens + lookahead, self.page_size)
+                   - len(seq.pages))
+
+    def allocate(self, seq: Sequence, num_tokens: int, lookahead: int = 0) -> bool:
+        """Give ``seq`` pages for ``num_tokens`` more tokens plus ``lookahead`` draft slots,
+        evicting unused cached prefixes if needed; all or nothing (nothing is evicted in vain).
+        False: not enough memory."""
+        need = self.pages_to_allocate(seq, num_tokens, lookahead)
+        if need > self.pool.num_free:
+            cached = self.prefix_cache.evictable_pages() if self.prefix_cache else 0
+            if need > self.pool.num_free + cached:
+                return False
+            self.prefix_cache.evict(need - self.pool.num_free)
+        seq.pages += self.pool.alloc(need)
+        return True
+
+    def cache(self, seq: Sequence) -> None:
+        """Offer the sequence's verified tokens (those with KV) to the prefix cache now, so that
+        requests arriving meanwhile can share them."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(seq.token_ids[: seq.num_computed], seq.pages)
+
+    def rollback(self, seq: Sequence) -> None:
+        """Release the pages past the sequence's verified tokens (those reserved for drafts
+        that were rejected). Their stale KV is never read: attention stops at the context."""
+        keep = pages_needed(seq.num_computed, self.page_size)
+        if len(seq.pages) > keep:
+            self.pool.release(seq.pages[keep:])
+            del seq.pages[keep:]
+
+    def free(self, seq: Sequence, recycle: bool = False) -> None:
+        """Release every page of ``seq`` (offering its verified tokens to the prefix cache first
+        when ``recycle``); the sequence then has no KV (``num_computed`` is 0)."""
+        if recycle and self.prefix_cache is not None:
+            self.prefix_cache.recycle(seq.token_ids[: seq.num_computed], seq.pages)
+        self.pool.release(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+
+    def pages_held_by_sequences(self) -> int:
+        """Pages some sequence holds (pages only the prefix cache holds do not count)."""
+        cache_only = self.prefix_cache.evictable_pages() if self.prefix_cache else 0
+        return self.pool.num_used - cache_only

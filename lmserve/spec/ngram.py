@@ -1,0 +1,59 @@
+"""Prompt-lookup drafting: no extra model, drafts copied from the sequence's own tokens.
+
+When a sequence's last ``n`` tokens occurred before (in its prompt or its output), the tokens
+that followed them there are a good guess for what follows now: summaries, extractions,
+rewrites and code edits copy long runs of their input. The longest suffix of ``max_n`` down to
+``min_n`` tokens with an earlier occurrence wins, and its latest occurrence is used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from lmserve.request import Sequence
+
+
+class NgramDrafter:
+    """Proposes up to ``k`` tokens per sequence by prompt lookup; deterministic (q = 1 on its
+    token), so verification needs no draft probabilities."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``seq.token_ids`` (none when no suffix recurs)."""
+        return propose_ngram(_tokens_array(seq), k, self.min_n, self.max_n)
+
+
+def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """The up to ``k`` tokens after the latest earlier occurrence of the longest suffix of
+    ``tokens`` of ``max_n`` down to ``min_n`` tokens; [] when there is none."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        # Windows starting at 0 .. length-n-1: every occurrence but the suffix itself.
+        windows = sliding_window_view(tokens[: length - 1], n)  # (length - n, n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+def _tokens_array(seq: Sequence) -> np.ndarray:
+    """``seq.token_ids`` as an int64 array, grown in place as the sequence grows (a per-step
+    conversion of the whole list would cost more than the lookup)."""
+    buf, used = seq.draft_state if seq.draft_state is not None else (np.empty(0, np.int64), 0)
+    tokens = seq.token_ids
+    if len(tokens) < used or (used and buf[used - 1] != tokens[used - 1]):
+        used = 0  # the tokens changed behind our back (not expected): start over
+    if len(tokens) > len(buf):
+        grown = np.empty(max(2 * len(buf), len(tokens), 64), np.int64)
+        grown[:used] = buf[:used]
+        buf = grown
+    buf[used : len(tokens)] = tokens[used:]
+    seq.draft_state = (buf, len(tokens))
+    return buf[: len(tokens)]

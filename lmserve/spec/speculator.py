@@ -1,0 +1,114 @@
+"""The speculative-decoding policy the engine calls: how many drafts, which, and what was accepted.
+
+Verification is lossless. Every drafter here is deterministic (the draft distribution q is a
+point mass on its token), and for such drafts speculative rejection sampling (accept with
+probability min(1, p/q), else resample from max(p - q, 0)) is exactly this: sample the target's
+token at every drafted position, as if the drafts before it were accepted, and accept drafts
+while they equal the target's sample; the first differing sample replaces the rejected draft,
+and when all drafts are accepted the sample after the last one comes free. Accepting draft d
+with probability p(d) and otherwise drawing from p without d is drawing from p. The rows are
+sampled with the same rules as without speculation (``sampler.sample``: greedy, temperature,
+top-k/p, min-p, penalties over the output so far including the drafts before the row), so greedy
+output is identical to speculation off, and seeded sampling too (its noise depends on the
+token's position only, see ``EngineCore``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from typing import Optional
+
+from lmserve.config import EngineConfig
+from lmserve.plan import EnginePlan
+from lmserve.request import Sequence
+from lmserve.scheduler import Batch
+from lmserve.spec.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength
+from lmserve.spec.ngram import NgramDrafter
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's spec_decode counters: verify steps with drafts, drafts, accepted drafts, and
+    accepted drafts per draft position (index 0: first drafts accepted)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+def num_accepted(drafts: list[int], sampled: list[int]) -> int:
+    """Drafts accepted: the longest prefix of ``drafts`` equal to the target's ``sampled``
+    tokens at the same positions (``sampled`` has one more row, the token after the last)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == sampled[n]:
+        n += 1
+    return n
+
+
+class Speculator:
+    """Speculative decoding with a drafter and a draft length: fixed ``k``, or adaptive (k=0,
+    chosen per sequence and step by ``AdaptiveDraftLength`` up to ``MAX_ADAPTIVE_K``)."""
+
+    def __init__(self, drafter: NgramDrafter, k: int, max_sequence_length: int) -> None:
+        self.drafter = drafter
+        self.adaptive = AdaptiveDraftLength() if k == 0 else None
+        self.max_k = k or MAX_ADAPTIVE_K
+        self.max_sequence_length = max_sequence_length
+        self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
+        self._proposals: dict[Sequence, list[int]] = {}  # this step's, from ``lookahead``
+
+    def lookahead(self, seqs: list[Sequence]) -> list[int]:
+        """Draft slots for this step's decoding sequences: what the drafter proposes, at most
+        ``k`` (or the adaptive length), fewer near a sequence's length limits (a draft past
+        ``max_tokens`` would be thrown away, and one past the longest sequence has no
+        position)."""
+        proposals = [self.drafter.propose(s, c) if (c := self._cap(s)) else [] for s in seqs]
+        if self.adaptive is not None:
+            lengths = self.adaptive.choose(seqs, [len(p) for p in proposals])
+            proposals = [p[:n] for p, n in zip(proposals, lengths)]
+        self._proposals = {s: p for s, p in zip(seqs, proposals) if p}
+        return [len(p) for p in proposals]
+
+    def propose(self, batch: Batch) -> None:
+        """Fill the draft tokens of every chunk with reserved slots (a chunk may have been
+        granted fewer slots than asked, when pages were short)."""
+        for c in batch.chunks:
+            if c.num_lookahead:
+                c.draft_token_ids = self._proposals[c.seq][: c.num_lookahead]
+        self._proposals = {}
+
+    def record(self, batch: Batch, seconds: float) -> None:
+        """Count a verified step (its chunks' ``num_accepted`` set) that took ``seconds``."""
+        decode_only = True
+        for chunk in batch.chunks:
+            if not chunk.decode:
+                decode_only = False
+                continue
+            drafts, accepted = len(chunk.draft_token_ids), chunk.num_accepted
+            if self.adaptive is not None:
+                self.adaptive.observe_verify(chunk.seq, drafts, accepted)
+            if drafts:
+                c = self.counters
+                c.num_drafts += 1
+                c.num_draft_tokens += drafts
+                c.num_accepted_tokens += accepted
+                for pos in range(accepted):
+                    c.accepted_per_pos[pos] += 1
+        if self.adaptive is not None and decode_only:
+            self.adaptive.observe_step(batch.num_tokens, seconds)
+
+    def _cap(self, seq: Sequence) -> int:
+        left = self.max_sequence_length - len(seq.token_ids)
+        max_tokens = seq.request.params.max_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - seq.num_output_tokens)
+        return max(0, min(self.max_k, left - 1))
+
+
+def make_speculator(config: EngineConfig, plan: EnginePlan) -> Optional[Speculator]:
+    """The config's speculative decoding, or None when it is off."""
+    if config.speculative_mode == "disable":
+        return None
+    return Speculator(NgramDrafter(), config.spec_draft_length, plan.max_single_sequence_length)

@@ -1,0 +1,306 @@
+"""Speculative decoding: lossless against speculation off, pages rolled back, drafts as designed.
+
+The reference for every output is the same engine settings with speculation off (itself checked
+against transformers in test_reference.py). Prompts ask the model to copy a given text, so that
+prompt lookup drafts often and the target both accepts and rejects drafts.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from conftest import generate_tokens, run_concurrently, wait_idle
+from lmserve import Engine, SamplingParams
+from lmserve.cache.manager import KVCacheManager
+from lmserve.cache.pages import PagePool
+from lmserve.request import Request, Sequence
+from lmserve.scheduler import Scheduler
+from lmserve.spec.adaptive import AdaptiveDraftLength
+from lmserve.spec.ngram import propose_ngram
+from lmserve.spec.speculator import num_accepted
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+TEXTS = [
+    "The bridge was repaired many times. Its first builders used a grey limestone cut from a "
+    "quarry on the eastern bank, and later repairs were made with whatever stone was cheapest.",
+    "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n"
+    "    return 2 * (width + height)\n",
+    "In the spring the river rose quickly. Snow melted in the hills to the north, and within a "
+    "week the water could climb from the height of a child to the height of a house.",
+]
+
+
+def copy_prompts(engine: Engine) -> list[list[int]]:
+    tok = engine.tokenizer
+    asks = ["Repeat this text exactly:\n\n{}", "Return this unchanged:\n\n{}",
+            "Copy the following, word for word:\n\n{}"]
+    return [tok.apply_chat_template([{"role": "user", "content": a.format(t)}])
+            for a in asks for t in TEXTS][:7]
+
+
+@pytest.fixture(scope="module")
+def prompts(builtin_engine) -> list[list[int]]:
+    return copy_prompts(builtin_engine)
+
+
+@pytest.fixture(scope="module")
+def reference(builtin_engine, prompts) -> list[list[int]]:
+    return [generate_tokens(builtin_engine, p, GREEDY) for p in prompts]
+
+
+# -- the parts, without a model -------------------------------------------------------------------
+
+def test_prompt_lookup_takes_what_followed_the_latest_longest_match():
+    tokens = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    # Suffix [2, 3] (no earlier [5, 2, 3]); its latest earlier occurrence is at 5, followed by 7, 8.
+    assert propose_ngram(tokens, 3, min_n=2, max_n=3) == [7, 8, 5]
+    assert propose_ngram(tokens, 1, min_n=2, max_n=3) == [7]
+    # A longer suffix wins over a later shorter one: [1, 2, 3] at 0 and 4, then 3-grams.
+    tokens = np.array([4, 1, 2, 3, 6, 0, 2, 3, 5, 1, 2, 3])
+    assert propose_ngram(tokens, 2, min_n=2, max_n=3) == [6, 0]
+    assert propose_ngram(np.array([1, 2, 3, 4]), 2, min_n=2, max_n=3) == []  # nothing recurs
+    assert propose_ngram(np.array([7, 7, 7]), 4, min_n=1, max_n=2) == [7]  # an overlapping match
+
+
+def test_acceptance_is_the_longest_prefix_equal_to_the_targets_tokens():
+    assert num_accepted([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert num_accepted([5, 6, 7], [5, 9, 7, 8]) == 1
+    assert num_accepted([5, 6, 7], [4, 6, 7, 8]) == 0
+    assert num_accepted([], [4]) == 0
+
+
+def test_the_scheduler_reserves_draft_slots_and_update_rolls_back_the_rejected():
+    pool = PagePool(8)
+    s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=16,
+                  lookahead=lambda seqs: [3] * len(seqs))
+    a = Sequence(Request("a", list(range(7)), None), 0, list(range(7)), None)
+    s.add(a)
+    batch = s.schedule()
+    assert batch.chunks[0].num_lookahead == 0  # prefilling: no drafts
+    a.token_ids.append(100)
+    s.update(batch)
+    batch = s.schedule()
+    chunk = batch.chunks[0]
+    # The newest token at position 7 and 3 draft slots: positions 7..10, a third page.
+    assert (chunk.num_tokens, chunk.num_lookahead, a.pages) == (1, 3, [0, 1, 2])
+    chunk.draft_token_ids = [101, 102, 103]
+    assert batch.step_input().seqs[0].token_ids == [100, 101, 102, 103]
+    assert batch.step_input().seqs[0].num_logits == 4
+    chunk.num_accepted = 0  # the first draft was rejected: the target's token comes instead
+    a.token_ids.append(55)
+    s.update(batch)
+    assert a.num_computed == 8 and a.pages == [0, 1] and pool.num_free == 6
+
+
+def test_draft_slots_never_preempt_anyone():
+    pool = PagePool(3)
+    s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=16,
+                  lookahead=lambda seqs: [4] * len(seqs))
+    a = Sequence(Request("a", list(range(4)), None), 0, list(range(4)), None)
+    b = Sequence(Request("b", list(range(6)), None), 0, list(range(6)), None)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()  # a: 1 page, b: 2 pages; the pool is full
+    a.token_ids.append(0)
+    b.token_ids.append(0)
+    s.update(batch)
+    batch = s.schedule()
+    # a's token at position 4 needs a page: b (newest) is preempted for it, but no draft slot
+    # is worth a preemption, so neither gets one.
+    assert [(c.seq is a, c.num_lookahead) for c in batch.chunks] == [(True, 0)]
+    assert s.num_preemptions == 1
+
+
+def test_the_adaptive_length_drafts_while_it_pays_and_stops_when_it_does_not():
+    class Seq:  # any object with weak references stands for a sequence
+        pass
+
+    policy = AdaptiveDraftLength()
+    seqs = [Seq() for _ in range(16)]
+    # One stream on a machine where 8 more tokens cost 10%: draft long when drafts are accepted.
+    for _ in range(50):
+        for n in (1, 5, 9):
+            policy.observe_step(n, 0.010 + 0.000125 * (n - 1))
+    good, bad = seqs[0], seqs[1]
+    for _ in range(20):
+        policy.observe_verify(good, 4, 4)
+        policy.observe_verify(bad, 4, 0)
+    assert policy.choose([good], [8]) == [8]
+    # Rarely accepted: a draft or two still pays when each costs 1.25% of a step, no more.
+    assert 0 < policy.choose([bad], [8])[0] <= 2
+    # A compute-bound full batch (every token costs as much as the step's fixed part): drafts
+    # at a 50% acceptance earn less than their compute.
+    policy = AdaptiveDraftLength()
+    for _ in range(50):
+        for n in (16, 32, 48):
+            policy.observe_step(n, 0.001 * n)
+    for seq in seqs:
+        for _ in range(20):
+            policy.observe_verify(seq, 2, 1)
+    assert policy.choose(seqs, [8] * 16) == [0] * 16
+
+
+# -- the engine: output identical to speculation off ---------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 4, 0])
+def test_ngram_output_is_identical_alone_and_in_company(prompts, reference, k):
+    engine = Engine(max_num_sequence=8, verbose=False, speculative_mode="ngram",
+                    spec_draft_length=k)
+    try:
+        assert [generate_tokens(engine, p, GREEDY) for p in prompts] == reference
+        assert run_concurrently(engine, prompts, GREEDY) == reference
+        stats = engine.stats()
+        # Drafts were both accepted and rejected, so both paths ran.
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+        assert stats.spec_accepted_per_pos[0] > 0
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("prefill_mode", ["hybrid", "chunked"])
+def test_ngram_under_preemption_and_the_prefix_cache_keeps_outputs_and_frees_pages(
+        prompts, reference, prefill_mode):
+    # 12 pages of 16 tokens for 7 prompts of about 80 tokens (+40): preemption is certain.
+    engine = Engine(max_num_sequence=8, max_total_sequence_length=192, prefill_chunk_size=64,
+                    prefill_mode=prefill_mode, speculative_mode="ngram", spec_draft_length=3,
+                    verbose=False)
+    try:
+        assert run_concurrently(engine, prompts, GREEDY) == reference
+        assert run_concurrently(engine, prompts, GREEDY) == reference  # now from the cache too
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+        assert stats.spec_num_accepted_tokens > 0
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
+def test_stop_rules_logprobs_and_n_act_inside_an_accepted_run(builtin_engine, prompts):
+    """Stop strings, max_tokens and min_tokens cut an accepted run exactly where one token at a
+    time would have; every choice of n=2 gets the target's logprobs for its tokens."""
+    base = builtin_engine.generate(prompts[0], GREEDY)
+    text = "".join(d.text for out in base for d in out.deltas)
+    stop_word = text.split()[len(text.split()) // 2]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=40, stop=[stop_word]),
+        SamplingParams(temperature=0, max_tokens=9),
+        SamplingParams(temperature=0, max_tokens=20, min_tokens=12, stop_token_ids=[13]),
+        SamplingParams(temperature=0, max_tokens=24, n=2, logprobs=3, ignore_eos=True),
+    ]
+    engine = Engine(max_num_sequence=8, verbose=False, speculative_mode="ngram",
+                    spec_draft_length=4)
+
+    def run(e, params):
+        outs = list(e.generate(prompts[0], params))
+        deltas = [d for o in outs for d in o.deltas]
+        return {i: ("".join(d.text for d in deltas if d.index == i),
+                    [t for d in deltas if d.index == i for t in d.token_ids],
+                    [d.finish_reason for d in deltas if d.index == i and d.finish_reason],
+                    [lp for d in deltas if d.index == i for lp in (d.logprobs or [])])
+                for i in range(params.n)}
+
+    try:
+        for params in cases:
+            want, got = run(builtin_engine, params), run(engine, params)
+            for i in want:
+                assert got[i][:3] == want[i][:3], params
+                assert [lp.token_id for lp in got[i][3]] == [lp.token_id for lp in want[i][3]]
+                for a, b in zip(got[i][3], want[i][3]):
+                    assert abs(a.logprob - b.logprob) < 1e-3
+                    assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert engine.stats().spec_num_accepted_tokens > 0
+    finally:
+        engine.shutdown()
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_speculation(builtin_engine, prompts):
+    """The sampling noise of a token depends on its seed and position only, and verification
+    samples each drafted position from the target as if the drafts before it were accepted: so
+    a seeded request gets the very tokens it gets without speculation (the strongest form of
+    "the output distribution is the target's"), penalties over the drafts included."""
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=3 + 17 * (s % 2), max_tokens=32,
+                             seed=s, repetition_penalty=1.05, presence_penalty=0.1, logprobs=2)
+              for s in range(12)]
+
+    def outputs(engine):
+        return [[(lp.token_id, round(lp.logprob, 3)) for o in engine.generate(prompts[i % 3], p)
+                 for d in o.deltas for lp in d.logprobs] for i, p in enumerate(params)]
+
+    spec = Engine(max_num_sequence=8, verbose=False, speculative_mode="ngram", spec_draft_length=4)
+    try:
+        assert outputs(spec) == outputs(builtin_engine)
+        stats = spec.stats()
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    finally:
+        spec.shutdown()
+
+
+def test_unseeded_sampling_follows_the_targets_distribution(builtin_engine, prompts):
+    """Without a seed (one shared generator), a token that was drafted is distributed as
+    without speculation: a chi-square test of homogeneity over 400 draws each, at 0.1%."""
+    from scipy.stats import chi2_contingency
+
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, n=8, ignore_eos=True)
+
+    def sixth_tokens(engine) -> list[int]:
+        out = []
+        for _ in range(50):
+            deltas = [d for o in engine.generate(prompts[0], params) for d in o.deltas]
+            out += [[t for d in deltas if d.index == i for t in d.token_ids][5] for i in range(8)]
+        return out
+
+    spec = Engine(max_num_sequence=8, verbose=False, speculative_mode="ngram", spec_draft_length=3)
+    try:
+        a, b = sixth_tokens(builtin_engine), sixth_tokens(spec)
+        stats = spec.stats()
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    finally:
+        spec.shutdown()
+    support = sorted(set(a) | set(b))
+    assert len(support) > 2  # a distribution, not a certainty
+    table = [[a.count(t) for t in support], [b.count(t) for t in support]]
+    assert chi2_contingency(table).pvalue > 0.001
+
+
+def test_two_hundred_requests_aborted_at_random_points_leave_no_page(tiny_model_dir):
+    engine = Engine(model=tiny_model_dir, max_num_sequence=16, verbose=False,
+                    speculative_mode="ngram", spec_draft_length=0)
+    rng = random.Random(0)
+    try:
+        streams = []
+        for i in range(200):
+            prompt = [rng.randrange(3, 40) for _ in range(rng.randrange(4, 60))] * 2
+            params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randrange(1, 40))
+            streams.append(engine.generate(prompt, params, request_id=f"r{i}"))
+        for stream in streams:
+            for j, _ in enumerate(stream):
+                if rng.random() < 0.2:
+                    stream.close()  # abort mid-stream
+                    break
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+        assert engine.stats().spec_num_draft_tokens > 0
+    finally:
+        engine.shutdown()
+
+
+def test_draft_slots_are_trimmed_so_a_step_stays_within_the_chunk():
+    pool = PagePool(64)
+    s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=10,
+                  lookahead=lambda seqs: [5, 1, 4][: len(seqs)])
+    seqs = [Sequence(Request(n, [1, 2], None), 0, [1, 2], None) for n in "abc"]
+    for q in seqs:
+        s.add(q)
+    batch = s.schedule()
+    for q in seqs:
+        q.token_ids.append(0)
+    s.update(batch)
+    batch = s.schedule()
+    # 3 decode tokens leave 7 of the 10 for drafts: the longest wishes give way first.
+    assert [c.num_lookahead for c in batch.chunks] == [3, 1, 3]
