@@ -2,14 +2,16 @@
 
 Input-grounded prompts (rewrite, extract from or edit a given text or code: what prompt lookup
 is for) and plain chat prompts, each sent ``--concurrency`` at a time (greedy, fixed output
-length), to engines with speculation off, ngram with fixed draft lengths, and ngram with the
-adaptive length (spec_draft_length=0). Rounds are interleaved (every engine once per round) and
+length), to engines with speculation off, the drafter (``--mode``) with fixed draft lengths, and
+with the adaptive length (spec_draft_length=0). ``--mode small_draft`` drafts with the built-in
+model itself at the draft's level (O3 by default) for a target at ``--opt`` (e.g. O0: the exact
+reference output at a quantized model's speed). Rounds are interleaved (every engine once per round) and
 the median of the rounds is reported: output tokens per second and the ratio to speculation off,
 with the acceptance (accepted drafts / drafts) and the mean tokens per verify step. Every
 engine's output is checked to be token for token the output with speculation off.
 
-    .venv/bin/python benchmarks/speculative.py [--rounds 3] [--concurrency 1 4 16] \
-        [--lengths 0 2 4 8] [--opt O2] [--max-tokens 96]
+    .venv/bin/python benchmarks/speculative.py [--mode ngram|small_draft] [--rounds 3] \
+        [--concurrency 1 4 16] [--lengths 0 2 4 8] [--opt O2] [--max-tokens 96]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 import time
 
 from lmserve import Engine, SamplingParams
+from lmserve.models.builtin import builtin_model_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -94,24 +97,26 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--mode", choices=["ngram", "small_draft"], default="ngram")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--lengths", type=int, nargs="+", default=[0, 2, 4, 8],
-                    help="ngram draft lengths to run (0 = adaptive)")
+                    help="draft lengths to run (0 = adaptive)")
     ap.add_argument("--opt", default=None)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--workloads", nargs="+", default=["grounded", "chat"])
     args = ap.parse_args()
 
+    draft = {"additional_models": [builtin_model_path()]} if args.mode == "small_draft" else {}
     configs = {"off": {}} | {
-        (f"ngram k={k}" if k else "ngram adaptive"): dict(speculative_mode="ngram",
-                                                          spec_draft_length=k)
+        (f"{args.mode} k={k}" if k else f"{args.mode} adaptive"):
+            dict(speculative_mode=args.mode, spec_draft_length=k, **draft)
         for k in args.lengths
     }
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "unknown CPU")
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; opt {args.opt or 'default'}; "
+    print(f"CPU: {cpu}, {os.cpu_count()} cores; opt {args.opt or 'default'}; {args.mode}; "
           f"{args.max_tokens} tokens per request; median of {args.rounds} rounds", flush=True)
 
     # (workload, concurrency, config) -> [tokens/s per round]; and acceptance counters
@@ -145,7 +150,7 @@ def main() -> None:
 
     for workload in args.workloads:
         print(f"\n{workload} prompts: output tokens/s (ratio to off); acceptance; tokens per step")
-        header = f"{'config':<16}" + "".join(f"{'c=' + str(c):>34}" for c in args.concurrency)
+        header = f"{'config':<22}" + "".join(f"{'c=' + str(c):>34}" for c in args.concurrency)
         print(header)
         for name in configs:
             cells = []
@@ -153,10 +158,10 @@ def main() -> None:
                 rate = statistics.median(rates[(workload, c, name)])
                 off = statistics.median(rates[(workload, c, "off")])
                 drafts, drafted, accepted = (sum(x) for x in zip(*accept[(workload, c, name)]))
-                extra = (f" {accepted / drafted:4.0%} {1 + accepted / drafts:4.2f}"
-                         if drafts else " " * 10)
-                cells.append(f"{rate:8.1f} ({rate / off:5.2f}x){extra}")
-            print(f"{name:<16}" + "".join(f"{cell:>34}" for cell in cells))
+                acceptance = (f" {accepted / drafted:4.0%} {1 + accepted / drafts:4.2f}"
+                              if drafts else " " * 10)
+                cells.append(f"{rate:8.1f} ({rate / off:5.2f}x){acceptance}")
+            print(f"{name:<22}" + "".join(f"{cell:>34}" for cell in cells))
 
 
 def _counts(engine: Engine) -> tuple[int, int, int]:

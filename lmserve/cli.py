@@ -302,11 +302,12 @@ def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Reads the model's hyper-parameters only: no weights are loaded.
     from lmserve.models.loader import read_model_args, resolve_model_path
     from lmserve.plan import make_plan
+    from lmserve.spec.draft_model import read_draft_model
 
     try:
         path = resolve_model_path(config.model)
         model = read_model_args(path)
-        plan = make_plan(config, model)
+        plan = make_plan(config, model, draft_args=read_draft_model(config, model)[1])
     except (OSError, ValueError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 1

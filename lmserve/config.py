@@ -62,6 +62,10 @@ class OptFlags:
     # torch path (attention=torch_native, dense float32/float16 weights); with lmserve's C++
     # attention or matmul kernels, which torch.compile cannot see into, compile=1 is refused.
     compile: bool = False
+    # speculative_mode="small_draft": the opt level of the draft model (None: DEFAULT_DRAFT_OPT).
+    # A full-precision target verifying its own quantized weights is a real use: the exact
+    # reference output at nearly the quantized speed.
+    draft_opt: Optional[str] = None
 
 
 # The one place that says what each level means; change a preset here and nowhere else.
@@ -84,6 +88,7 @@ OPT_LEVELS: dict[str, OptFlags] = {
     "O3": OptFlags(weight_dtype="native", kv_dtype="int8", act_dtype="int8", attention="cpu_paged"),
 }
 DEFAULT_OPT_LEVEL = "O2"  # what ``opt=None`` means
+DEFAULT_DRAFT_OPT = "O3"  # the draft model's level unless the knob draft_opt says otherwise
 
 _DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "f32": "float32",
                   "bfloat16": _BF16, "bf16": _BF16,
@@ -97,6 +102,7 @@ _KNOB_VALUES: dict[str, dict[str, Any]] = {
     "mlp_act_dtype": _ACT_ALIASES,
     "attention": {a: a for a in get_args(AttentionKernel)},
     "compile": {"0": False, "1": True, "false": False, "true": True},
+    "draft_opt": {level.lower(): level for level in OPT_LEVELS},
 }
 
 
@@ -230,8 +236,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not ok(value):
                 raise ValueError(f"{name} must be {requirement}, got {value!r}")
-        _check_combinations(self)
         parse_opt(self.opt)
+        _check_combinations(self)
 
     def asjson(self) -> str:
         """The config as a JSON object string; ``from_json`` reads it back to an equal config."""
@@ -360,6 +366,16 @@ def _check_combinations(c: EngineConfig) -> None:
             f"max_history_size={c.max_history_size} only applies to kv_state_kind='rnn_state', "
             f"got kv_state_kind='kv_cache'"
         )
+    if c.additional_models and c.speculative_mode in ("disable", "ngram"):
+        raise ValueError(
+            f"additional_models={c.additional_models!r} are draft models or heads, but "
+            f"speculative_mode={c.speculative_mode!r} uses none (small_draft, eagle or medusa do)")
+    if c.speculative_mode == "small_draft" and len(c.additional_models) > 1:
+        raise ValueError(f"speculative_mode='small_draft' uses one draft model, but "
+                         f"additional_models has {len(c.additional_models)}: {c.additional_models!r}")
+    if parse_opt(c.opt).draft_opt is not None and c.speculative_mode != "small_draft":
+        raise ValueError(f"opt={c.opt!r} sets draft_opt, the draft model's level, but "
+                         f"speculative_mode={c.speculative_mode!r} has no draft model")
     if c.speculative_mode not in ("disable", "ngram") and not c.additional_models:
         raise ValueError(
             f"speculative_mode={c.speculative_mode!r} needs its draft model or heads in "

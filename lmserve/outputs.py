@@ -54,8 +54,8 @@ class EngineStats:
     kv_pages_used: int
     kv_pages_total: int
     num_preemptions: int
-    prefill_tokens: int
-    decode_tokens: int
+    prefill_tokens: int  # prompt tokens computed (again after a preemption)
+    decode_tokens: int  # tokens decoding steps produced (accepted drafts included)
     steps: int
     prefix_cache_pages: int  # pages the prefix cache holds (some may be shared with requests)
     prefix_cache_queried_tokens: int  # prompt tokens of admitted requests looked up in the cache

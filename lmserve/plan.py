@@ -19,7 +19,7 @@ from typing import Optional
 from lmserve.attention import resolve_kv_dtype
 from lmserve.attention.base import AttentionShape
 from lmserve.cache.kv import kv_bytes_per_head
-from lmserve.config import EngineConfig, parse_opt
+from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.models.args import ModelArgs
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K
 
@@ -58,6 +58,7 @@ class MemoryPlan:
     kv: int  # the whole KV pool
     workspace: int  # activations, attention gathers and logits of the largest step
     margin: int  # the runtime itself
+    draft: int = 0  # of weights and kv: the draft model's weights and KV (small_draft)
 
     @property
     def total(self) -> int:
@@ -82,6 +83,7 @@ class EnginePlan:
     attention: str  # attention backend
     compile: bool  # the layers' torch ops compiled (opt compile=1)
     speculative: str  # the drafter and draft tokens per sequence and step, or "off"
+    draft_kv_dtype: Optional[str]  # the draft model's KV cache (same pages), None without one
     memory: MemoryPlan
 
     def describe(self) -> str:
@@ -95,6 +97,8 @@ class EnginePlan:
             ("kv_cache", _gib(m.kv)),
             ("workspace", _gib(m.workspace)),
             ("runtime_margin", _gib(m.margin)),
+            *([("draft_model", f"{_gib(m.draft)} of the weights and KV cache above")]
+              if m.draft else []),
             ("expected_memory", f"{_gib(m.total)} of a {_gib(m.budget)} budget "
                                 f"({_gib(m.device)} device)"),
         ]
@@ -102,10 +106,13 @@ class EnginePlan:
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int] = None) -> EnginePlan:
+def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int] = None,
+              draft_args: Optional[ModelArgs] = None) -> EnginePlan:
     """Resolve the config's limits against the model and the memory budget.
 
     Values given in the config always win. ``device_memory`` defaults to the machine's RAM.
+    ``draft_args``: the draft model of ``speculative_mode="small_draft"``, whose weights and KV
+    (a second set of tensors over the same pages, at the draft's opt level) share the budget.
     Raises ``ValueError`` with the numbers when the plan cannot work.
     """
     opt = parse_opt(config.opt)
@@ -113,19 +120,30 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     device = device_memory if device_memory is not None else system_memory_bytes()
     util = config.gpu_memory_utilization or DEFAULT_MEMORY_UTILIZATION
     budget = int(util * device)
-    weights = weight_bytes(args, opt.weight_dtype, opt.act_dtype)
-    kv_dtype = resolve_kv_dtype(opt.kv_dtype, AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim),
-                                config.kv_cache_page_size)
-    kv_per_token = args.num_layers * args.num_kv_heads * kv_bytes_per_head(args.head_dim, kv_dtype)
+    models = [(args, opt)]
+    if draft_args is not None:
+        models.append((draft_args, parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT)))
+    kv_dtypes = [_kv_dtype(a, o, config.kv_cache_page_size) for a, o in models]
+    weights = sum(weight_bytes(a, o.weight_dtype, o.act_dtype) for a, o in models)
+    kv_per_token = sum(_kv_per_token(a, d) for (a, _), d in zip(models, kv_dtypes))
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
-    context = args.context_length
-    gathers_kv = opt.attention == "torch_native"
+    context = min(a.context_length for a, _ in models)
+
+    def step_workspace(batch: int, chunk: int, single: int) -> int:
+        # Verifying drafts wants a logit row per draft too, within the step's tokens.
+        speculating = config.speculative_mode != "disable"
+        max_drafts = (config.spec_draft_length or MAX_ADAPTIVE_K) if speculating else 0
+        rows = min(max(chunk, batch), batch * (1 + max_drafts))
+        # The draft's passes and the target's run one after the other.
+        return max(workspace_bytes(a, batch, chunk, single, _kv_per_token(a, d),
+                                   o.attention == "torch_native", rows)
+                   for (a, o), d in zip(models, kv_dtypes))
 
     if mode == "server":
         batch = _given_or(config.max_num_sequence, SERVER_BATCH)
         chunk = _given_or(config.prefill_chunk_size, min(context, SERVER_CHUNK))
         single = _given_or(config.max_single_sequence_length, context)
-        workspace = workspace_bytes(args, batch, chunk, single, kv_per_token, gathers_kv)
+        workspace = step_workspace(batch, chunk, single)
         room = budget - weights - workspace - margin
         # Whole pages only; more KV than every sequence at full length could never be used.
         page_bytes = config.kv_cache_page_size * kv_per_token
@@ -136,25 +154,43 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         total = _given_or(config.max_total_sequence_length, context)
         single = _given_or(config.max_single_sequence_length, min(context, total))
         chunk = _given_or(config.prefill_chunk_size, min(context, total))
-        workspace = workspace_bytes(args, batch, chunk, single, kv_per_token, gathers_kv)
+        workspace = step_workspace(batch, chunk, single)
 
     page = config.kv_cache_page_size
     num_pages = -(-total // page)  # ceil: the last page may be partly used
+    draft = 0
+    if draft_args is not None:
+        draft = (weight_bytes(draft_args, models[1][1].weight_dtype, models[1][1].act_dtype)
+                 + num_pages * page * _kv_per_token(draft_args, kv_dtypes[1]))
     memory = MemoryPlan(device, budget, weights, kv_per_token, num_pages * page * kv_per_token,
-                        workspace, margin)
-    _check(args, memory, total, single, chunk, util)
+                        workspace, margin, draft)
+    _check(context, memory, total, single, chunk, util, draft_args is not None)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
-                      opt.weight_dtype, kv_dtype, opt.act_dtype,
+                      opt.weight_dtype, kv_dtypes[0], opt.act_dtype,
                       opt.mlp_act_dtype or opt.act_dtype, opt.attention, opt.compile,
-                      _speculative(config), memory)
+                      _speculative(config, models), kv_dtypes[1] if draft_args else None, memory)
 
 
-def _speculative(config: EngineConfig) -> str:
+def _kv_dtype(args: ModelArgs, opt: OptFlags, page_size: int) -> str:
+    shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
+    return resolve_kv_dtype(opt.kv_dtype, shape, page_size)
+
+
+def _kv_per_token(args: ModelArgs, kv_dtype: str) -> int:
+    return args.num_layers * args.num_kv_heads * kv_bytes_per_head(args.head_dim, kv_dtype)
+
+
+def _speculative(config: EngineConfig, models: list[tuple[ModelArgs, OptFlags]]) -> str:
     if config.speculative_mode == "disable":
         return "off"
     k = config.spec_draft_length
     length = f"{k} draft tokens" if k else f"adaptive, 0-{MAX_ADAPTIVE_K} draft tokens"
-    return f"{config.speculative_mode}, {length} per sequence and step"
+    mode = config.speculative_mode
+    if len(models) > 1:
+        draft, draft_opt = models[1]
+        mode += (f" ({draft.architecture}, {draft.num_layers} layers, weights "
+                 f"{draft_opt.weight_dtype})")
+    return f"{mode}, {length} per sequence and step"
 
 
 def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16") -> int:
@@ -174,19 +210,20 @@ def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16
 
 
 def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per_token: int,
-                    gathers_kv: bool = True) -> int:
+                    gathers_kv: bool = True, logit_rows: Optional[int] = None) -> int:
     """Peak bytes of one step's temporaries beyond the weights and the KV pool.
 
     A step holds at most ``max(chunk, batch)`` tokens: their float32 activations (residual,
-    q/k/v, the gate/up product, with one spare copy each), the logits of up to ``batch`` rows with
-    the sampler's copies, and, when attention ``gathers_kv`` (the torch path), the float32 KV that
-    decode attention gathers for one layer at a time (at worst ``batch`` sequences padded to
+    q/k/v, the gate/up product, with one spare copy each), the logits of up to ``logit_rows``
+    rows (``batch``; more when drafts are verified) with the sampler's copies, and, when
+    attention ``gathers_kv`` (the torch path), the float32 KV that decode attention gathers for
+    one layer at a time (at worst ``batch`` sequences padded to
     ``single`` tokens). The C++ paged kernel reads the pages in place.
     """
     tokens = max(chunk, batch)
     qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
     activations = 2 * tokens * (4 * args.hidden_size + qkv + 2 * args.intermediate_size) * 4
-    logits = 4 * batch * args.vocab_size * 4
+    logits = 4 * (logit_rows or batch) * args.vocab_size * 4
     per_layer_kv = kv_per_token // args.num_layers  # keys and values of one token, one layer
     gather = 3 * batch * single * per_layer_kv if gathers_kv else 0  # pages + float32 copy
     return activations + logits + gather
@@ -197,10 +234,12 @@ def system_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _check(args: ModelArgs, m: MemoryPlan, total: int, single: int, chunk: int, util: float) -> None:
-    context = args.context_length
+def _check(context: int, m: MemoryPlan, total: int, single: int, chunk: int, util: float,
+           with_draft: bool) -> None:
     if single > context:
-        raise ValueError(f"max_single_sequence_length={single} exceeds the model's context window "
+        models = "the context window of the model or its draft model" if with_draft else \
+            "the model's context window"
+        raise ValueError(f"max_single_sequence_length={single} exceeds {models} "
                          f"of {context} tokens")
     fixed = m.weights + m.workspace + m.margin
     if fixed > m.budget:

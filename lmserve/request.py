@@ -49,6 +49,7 @@ class Sequence:
     token_ids: list[int]
     seed: Optional[int]  # of the sampling noise (see EngineCore); None for greedy
     num_computed: int = 0
+    num_draft_computed: int = 0  # tokens with KV in a draft model's cache (small_draft)
     pages: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[str] = None

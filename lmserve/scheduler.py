@@ -26,7 +26,7 @@ from lmserve.request import Sequence, SeqStatus
 from lmserve.step import SeqStep, StepInput
 
 
-@dataclass
+@dataclass(eq=False)
 class ScheduledChunk:
     """``num_tokens`` tokens of ``seq``, starting at ``seq.num_computed``, in this step; a
     decoding sequence may add up to ``num_lookahead`` draft tokens after its newest token."""

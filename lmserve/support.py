@@ -20,10 +20,11 @@ _NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("attention_sink_size", lambda v: v is not None, "attention sinks"),
     ("max_history_size", lambda v: v is not None, "recurrent-state rollback history"),
     ("kv_state_kind", lambda v: v == "rnn_state", "recurrent-state models"),
-    ("speculative_mode", lambda v: v in ("small_draft", "eagle", "medusa"),
-     "draft-model, EAGLE and Medusa speculative decoding"),
+    ("speculative_mode", lambda v: v in ("eagle", "medusa"),
+     "EAGLE and Medusa speculative decoding"),
     ("spec_tree_width", lambda v: v != 1, "draft trees (speculative decoding)"),
-    ("additional_models", lambda v: len(v) > 0, "additional models (speculative decoding)"),
+    ("additional_models", lambda v: any(isinstance(m, tuple) for m in v),
+     "compiled libraries of additional models (model_lib)"),
 )
 
 

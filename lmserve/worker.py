@@ -1,6 +1,7 @@
 """Building a worker: one model at an opt level with its attention backend, paged KV cache and
 runner, ready to run steps (``ModelRunner.execute``). The engine's target model is one; a draft
-model for speculative decoding will be a second, built the same way with its own plan."""
+model for speculative decoding (small_draft) is a second, with its own KV tensors over the same
+page ids."""
 
 from __future__ import annotations
 

@@ -41,14 +41,17 @@ def test_flags_map_to_config_fields():
     config = engine_config_from_args(parse_chat(
         "--model", "m.gguf", "--max-num-sequence", "8", "--prefill-chunk-size", "256",
         "--opt", "O1;kv_dtype=bfloat16", "--mode", "server", "--gpu-memory-utilization", "0.5",
-        "--prefix-cache-mode", "disable", "--no-verbose",
+        "--prefix-cache-mode", "disable", "--no-verbose", "--speculative-mode", "medusa",
         "--additional-models", "draft.gguf", "--additional-models", "heads,heads.so", "more",
     ))
     assert config == EngineConfig(
         model="m.gguf", max_num_sequence=8, prefill_chunk_size=256, opt="O1;kv_dtype=bfloat16",
         mode="server", gpu_memory_utilization=0.5, prefix_cache_mode="disable", verbose=False,
-        additional_models=["draft.gguf", ("heads", "heads.so"), "more"],
+        speculative_mode="medusa", additional_models=["draft.gguf", ("heads", "heads.so"), "more"],
     )
+    assert engine_config_from_args(parse_chat(
+        "--speculative-mode", "ngram", "--spec-draft-length", "3")) == EngineConfig(
+        speculative_mode="ngram", spec_draft_length=3, verbose=False)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -60,6 +63,9 @@ def test_flags_map_to_config_fields():
     (["--kv-cache-page-size", "12"], "argument --kv-cache-page-size: kv_cache_page_size must be"),
     (["--opt", "O9"], "argument --opt: opt: unknown level 'O9'"),
     (["--attention-sink-size", "4"], "argument --attention-sink-size: attention_sink_size=4 needs"),
+    (["--spec-draft-length", "4"], "argument --spec-draft-length: spec_draft_length=4 needs "
+                                   "speculative decoding"),
+    (["--speculative-mode", "lookup"], "argument --speculative-mode: invalid choice: 'lookup'"),
     # Sampling flags are checked before the model loads.
     (["--temperature", "3"], "argument --temperature: Input should be less than or equal to 2"),
     (["--top-p", "0"], "argument --top-p:"),

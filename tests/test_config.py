@@ -84,7 +84,8 @@ def test_round_trip_keeps_every_field_and_model_pairs_as_tuples():
 
 def test_list_pairs_are_normalised_to_tuples_without_touching_the_callers_list():
     models = ["a", ["b", "b.so"]]
-    assert EngineConfig(additional_models=models).additional_models == ["a", ("b", "b.so")]
+    config = EngineConfig(speculative_mode="eagle", additional_models=models)
+    assert config.additional_models == ["a", ("b", "b.so")]
     assert models == ["a", ["b", "b.so"]]
 
 
@@ -133,6 +134,9 @@ BAD_VALUES = [
     ({"max_history_size": 2, "kv_state_kind": "kv_cache"}, ValueError, "2"),
     ({"kv_state_kind": "paged"}, ValueError, "'paged'"),
     ({"speculative_mode": "lookahead"}, ValueError, "'lookahead'"),
+    ({"speculative_mode": "small_draft", "additional_models": ["a", "b"]}, ValueError, "['a', 'b']"),
+    ({"additional_models": ["d"]}, ValueError, "['d']"),  # speculation off: nothing uses it
+    ({"opt": "O2;draft_opt=O3"}, ValueError, "'O2;draft_opt=O3'"),  # no draft model
     ({"speculative_mode": None}, TypeError, "None"),
     ({"speculative_mode": "small_draft"}, ValueError, "'small_draft'"),
     ({"spec_draft_length": -1}, ValueError, "-1"),
@@ -241,7 +245,7 @@ def test_knobs_adjust_the_level(opt, expected):
     "opt, pieces",
     [
         ("O7", ["'O7'", "O0, O1, O2, O3"]),
-        ("fast=1", ["'fast'", "act_dtype, attention, compile, kv_dtype, mlp_act_dtype, weight_dtype"]),
+        ("fast=1", ["'fast'", "act_dtype, attention, compile, draft_opt, kv_dtype, mlp_act_dtype, weight_dtype"]),
         ("act_dtype=float16", ["'float16'", "'act_dtype'"]),
         ("compile=yes", ["'yes'", "'compile'", "0, 1, false, true"]),
         ("weight_dtype=int3", ["'int3'", "'weight_dtype'", "bfloat16", "int8, int4, native"]),
@@ -305,10 +309,9 @@ UNBUILT = [
     ({"sliding_window_size": 512, "attention_sink_size": 4}, "attention_sink_size"),
     ({"max_history_size": 1}, "max_history_size"),
     ({"kv_state_kind": "rnn_state"}, "kv_state_kind"),
-    ({"speculative_mode": "small_draft", "additional_models": ["d"]}, "speculative_mode"),
     ({"speculative_mode": "eagle", "additional_models": ["d"]}, "speculative_mode"),
     ({"speculative_mode": "ngram", "spec_tree_width": 2}, "spec_tree_width"),
-    ({"additional_models": ["d"]}, "additional_models"),
+    ({"speculative_mode": "small_draft", "additional_models": [("d", "d.so")]}, "additional_models"),
 ]
 
 

@@ -221,3 +221,26 @@ def test_plan_command_reports_an_impossible_plan(capsys):
 
     assert cli.main(["plan", "--mode", "server", "--gpu-memory-utilization", "0.01"]) == 1
     assert "over the memory budget" in capsys.readouterr().err
+
+
+def test_a_draft_model_shares_the_budget_and_its_context_bounds_the_sequence():
+    import dataclasses
+
+    target, draft = _args(2048), dataclasses.replace(_args(1024), num_layers=1)
+    config = EngineConfig(mode="server", speculative_mode="small_draft", additional_models=["d"],
+                          opt="O0;draft_opt=O3", max_single_sequence_length=1024)
+    alone = make_plan(EngineConfig(mode="server", opt="O0", max_single_sequence_length=1024),
+                      target, device_memory=int(1.05 * GiB))
+    plan = make_plan(config, target, device_memory=int(1.05 * GiB), draft_args=draft)
+    m = plan.memory
+    draft_weights = weight_bytes(draft, "native", "int8")
+    assert m.weights == alone.memory.weights + draft_weights
+    # The draft's KV over the same pages: one layer of int8 keys and values per token.
+    assert m.kv_per_token > alone.memory.kv_per_token
+    assert m.draft == draft_weights + plan.num_pages * 16 * (m.kv_per_token - alone.memory.kv_per_token)
+    assert plan.num_pages < alone.num_pages  # the KV fills the budget; the draft takes a share
+    assert plan.draft_kv_dtype == "int8" and alone.draft_kv_dtype is None
+    assert "small_draft" in plan.speculative and "draft_model" in plan.describe()
+    with pytest.raises(ValueError, match="context window of the model or its draft model of 1024"):
+        make_plan(dataclasses.replace(config, max_single_sequence_length=2048), target,
+                  device_memory=4 * GiB, draft_args=draft)

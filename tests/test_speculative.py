@@ -16,6 +16,7 @@ from conftest import generate_tokens, run_concurrently, wait_idle
 from lmserve import Engine, SamplingParams
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
+from lmserve.cache.radix import RadixCache
 from lmserve.request import Request, Sequence
 from lmserve.scheduler import Scheduler
 from lmserve.spec.adaptive import AdaptiveDraftLength
@@ -114,33 +115,33 @@ def test_draft_slots_never_preempt_anyone():
     assert s.num_preemptions == 1
 
 
-def test_the_adaptive_length_drafts_while_it_pays_and_stops_when_it_does_not():
-    class Seq:  # any object with weak references stands for a sequence
-        pass
+def _simulate(policy: AdaptiveDraftLength, num_seqs: int, acceptance: float, t0: float,
+              t1: float, steps: int = 400) -> list[int]:
+    """Run ``steps`` steps on a machine where a step of n tokens takes t0 + t1 * n seconds and
+    each draft is accepted with probability ``acceptance`` (in expectation); the lengths chosen."""
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose(num_seqs)
+        expected = sum(acceptance ** i for i in range(k + 1))  # tokens per sequence
+        policy.observe(num_seqs * expected, t0 + t1 * num_seqs * (1 + k))
+        chosen.append(k)
+    return chosen
 
+
+def test_the_adaptive_length_climbs_to_the_best_length_and_off_when_drafts_do_not_pay():
+    # One stream, drafts accepted 80% of the time, a token costing 10% of a step: tokens per
+    # second peak at 6 drafts (230/s; 4 and 8 drafts give 224/s and 223/s, none 91/s).
+    chosen = _simulate(AdaptiveDraftLength(), 1, 0.8, 0.010, 0.001)
+    assert max(set(chosen[-100:]), key=chosen[-100:].count) == 6
+    # A full batch on a compute-bound machine: every draft costs a whole token's compute, so
+    # with half the drafts accepted the best is not to draft (exploring 1 now and then).
+    chosen = _simulate(AdaptiveDraftLength(), 16, 0.5, 0.0, 0.001)
+    assert chosen[-100:].count(0) >= 85 and set(chosen[-100:]) <= {0, 1}
+    # Batch sizes are measured apart: one policy serves both.
     policy = AdaptiveDraftLength()
-    seqs = [Seq() for _ in range(16)]
-    # One stream on a machine where 8 more tokens cost 10%: draft long when drafts are accepted.
-    for _ in range(50):
-        for n in (1, 5, 9):
-            policy.observe_step(n, 0.010 + 0.000125 * (n - 1))
-    good, bad = seqs[0], seqs[1]
-    for _ in range(20):
-        policy.observe_verify(good, 4, 4)
-        policy.observe_verify(bad, 4, 0)
-    assert policy.choose([good], [8]) == [8]
-    # Rarely accepted: a draft or two still pays when each costs 1.25% of a step, no more.
-    assert 0 < policy.choose([bad], [8])[0] <= 2
-    # A compute-bound full batch (every token costs as much as the step's fixed part): drafts
-    # at a 50% acceptance earn less than their compute.
-    policy = AdaptiveDraftLength()
-    for _ in range(50):
-        for n in (16, 32, 48):
-            policy.observe_step(n, 0.001 * n)
-    for seq in seqs:
-        for _ in range(20):
-            policy.observe_verify(seq, 2, 1)
-    assert policy.choose(seqs, [8] * 16) == [0] * 16
+    _simulate(policy, 1, 0.8, 0.010, 0.001)
+    _simulate(policy, 16, 0.5, 0.0, 0.001)
+    assert policy.choose(1) == 6
 
 
 # -- the engine: output identical to speculation off ---------------------------------------------
@@ -160,6 +161,22 @@ def test_ngram_output_is_identical_alone_and_in_company(prompts, reference, k):
         assert engine.kv_pages_in_use() == 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("opt", ["O0", "O1", "O3", "O2;act_dtype=float32;kv_dtype=float32"])
+def test_ngram_output_is_identical_at_every_level(prompts, opt):
+    """A verify step runs several tokens of a sequence where plain decoding runs one: every
+    level computes a token's row the same way either way."""
+    plain = Engine(opt=opt, max_num_sequence=4, verbose=False)
+    spec = Engine(opt=opt, max_num_sequence=4, verbose=False, speculative_mode="ngram",
+                  spec_draft_length=4)
+    try:
+        want = run_concurrently(plain, prompts[:4], GREEDY)
+        assert run_concurrently(spec, prompts[:4], GREEDY) == want
+        assert spec.stats().spec_num_accepted_tokens > 0
+    finally:
+        plain.shutdown()
+        spec.shutdown()
 
 
 @pytest.mark.parametrize("prefill_mode", ["hybrid", "chunked"])
@@ -304,3 +321,87 @@ def test_draft_slots_are_trimmed_so_a_step_stays_within_the_chunk():
     batch = s.schedule()
     # 3 decode tokens leave 7 of the 10 for drafts: the longest wishes give way first.
     assert [c.num_lookahead for c in batch.chunks] == [3, 1, 3]
+
+
+# -- small_draft: a draft model over the same pages ------------------------------------------------
+
+def _draft_engine(**kwargs) -> Engine:
+    from lmserve.models.builtin import builtin_model_path
+
+    return Engine(verbose=False, speculative_mode="small_draft",
+                  additional_models=[builtin_model_path()], **kwargs)
+
+
+@pytest.mark.parametrize("k", [3, 0])
+def test_a_draft_model_changes_no_output_alone_in_company_or_seeded(builtin_engine, prompts,
+                                                                    reference, k):
+    """The built-in model (O2) verifying drafts from its own weights at the draft's default
+    level (O3): drafts mostly agree, sometimes not."""
+    engine = _draft_engine(max_num_sequence=8, spec_draft_length=k)
+    seeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=5, logprobs=1)
+    try:
+        assert [generate_tokens(engine, p, GREEDY) for p in prompts[:3]] == reference[:3]
+        assert run_concurrently(engine, prompts, GREEDY) == reference
+        assert generate_tokens(engine, prompts[1], seeded) == \
+            generate_tokens(builtin_engine, prompts[1], seeded)
+        stats = engine.stats()
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_draft_model_under_preemption_and_the_prefix_cache(prompts, reference):
+    engine = _draft_engine(max_num_sequence=8, max_total_sequence_length=192,
+                           prefill_chunk_size=64, spec_draft_length=3)
+    try:
+        assert run_concurrently(engine, prompts, GREEDY) == reference
+        assert run_concurrently(engine, prompts, GREEDY) == reference
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+        assert stats.spec_num_accepted_tokens > 0
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
+def test_the_draft_cache_follows_the_target_and_only_complete_pages_are_cached():
+    """Exact bookkeeping of the draft's KV count through drafting, rollback and free."""
+    pool = PagePool(8)
+    kv = KVCacheManager(pool, 4, RadixCache(pool, 4), with_draft=True)
+    s = Sequence(Request("a", list(range(9)), None), 0, list(range(9)), None)
+    assert kv.allocate(s, 9, lookahead=3)  # positions 0..11
+    s.num_computed, s.num_draft_computed = 9, 11  # the draft ran 2 drafts past the prompt
+    kv.rollback(s)  # no draft accepted: the draft's KV past the verified tokens is void
+    assert s.num_draft_computed == 9 and s.pages == [0, 1, 2]
+    s.num_draft_computed = 7  # the draft is behind (steps without drafting)
+    kv.cache(s)
+    assert kv.prefix_cache.num_pages == 1  # only the page both caches hold in full
+    b = Sequence(Request("b", list(range(9)), None), 0, list(range(9)), None)
+    kv.match_prefix(b)
+    assert (b.num_computed, b.num_draft_computed) == (4, 4)  # cached pages are complete in both
+    kv.free(s, recycle=True)
+    assert (s.num_computed, s.num_draft_computed, s.pages) == (0, 0, [])
+
+
+def test_a_draft_model_is_refused_with_a_reason(tiny_model_dir, tmp_path):
+    from tiny_models import make_hf_llama
+
+    with pytest.raises(FileNotFoundError, match=r"additional_models\[0\] \(the draft model\).*"
+                                                r"'/no/such/draft' does not exist"):
+        Engine(model=tiny_model_dir, verbose=False, speculative_mode="small_draft",
+               additional_models=["/no/such/draft"])
+    small_vocab = make_hf_llama(str(tmp_path / "draft"), num_layers=1, vocab_size=1000)
+    with pytest.raises(ValueError, match="vocabulary of 1000 tokens and the model 49152"):
+        Engine(model=tiny_model_dir, verbose=False, speculative_mode="small_draft",
+               additional_models=[small_vocab])
+    with pytest.raises(ValueError, match="draft_opt"):
+        Engine(model=tiny_model_dir, verbose=False, opt="O0;draft_opt=O3")
+    with pytest.raises(ValueError, match="one draft model"):
+        Engine(model=tiny_model_dir, verbose=False, speculative_mode="small_draft",
+               additional_models=[tiny_model_dir, tiny_model_dir])
+    with pytest.raises(ValueError, match="additional_models"):
+        Engine(model=tiny_model_dir, verbose=False, speculative_mode="ngram",
+               additional_models=[tiny_model_dir])

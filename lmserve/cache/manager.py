@@ -6,6 +6,9 @@ computed. The scheduler asks it five things: reuse a cached prefix, allocate pag
 tokens (with lookahead for draft tokens that may be rejected), free a sequence, offer verified
 tokens to the prefix cache, and roll back pages past what was verified. Only full pages holding
 verified tokens ever enter the prefix cache.
+
+With a draft model (``with_draft``) a second KV cache uses the same pages; a page enters the
+prefix cache only when both caches hold its tokens, so a reused prefix is complete in both.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ class KVCacheManager:
     """Full-attention paged KV: a sequence holds the pages of positions ``[0, len)`` in order."""
 
     def __init__(self, pool: PagePool, page_size: int,
-                 prefix_cache: Optional[RadixCache] = None) -> None:
+                 prefix_cache: Optional[RadixCache] = None, with_draft: bool = False) -> None:
         self.pool = pool
         self.page_size = page_size
         self.prefix_cache = prefix_cache
+        self.with_draft = with_draft
 
     def match_prefix(self, seq: Sequence) -> bool:
         """Start a sequence without KV from the cached pages of its longest cached prefix
@@ -38,6 +42,7 @@ class KVCacheManager:
         self.pool.share(pages)
         seq.pages = pages
         seq.num_computed = len(pages) * self.page_size
+        seq.num_draft_computed = seq.num_computed if self.with_draft else 0
         return True
 
     def pages_to_allocate(self, seq: Sequence, num_tokens: int, lookahead: int = 0) -> int:
@@ -62,11 +67,13 @@ class KVCacheManager:
         """Offer the sequence's verified tokens (those with KV) to the prefix cache now, so that
         requests arriving meanwhile can share them."""
         if self.prefix_cache is not None:
-            self.prefix_cache.insert(seq.token_ids[: seq.num_computed], seq.pages)
+            self.prefix_cache.insert(seq.token_ids[: self._num_cacheable(seq)], seq.pages)
 
     def rollback(self, seq: Sequence) -> None:
         """Release the pages past the sequence's verified tokens (those reserved for drafts
-        that were rejected). Their stale KV is never read: attention stops at the context."""
+        that were rejected), and forget a draft model's KV of rejected tokens. Stale KV is never
+        read: attention stops at the context, and the next write replaces it."""
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)
         keep = pages_needed(seq.num_computed, self.page_size)
         if len(seq.pages) > keep:
             self.pool.release(seq.pages[keep:])
@@ -76,12 +83,18 @@ class KVCacheManager:
         """Release every page of ``seq`` (offering its verified tokens to the prefix cache first
         when ``recycle``); the sequence then has no KV (``num_computed`` is 0)."""
         if recycle and self.prefix_cache is not None:
-            self.prefix_cache.recycle(seq.token_ids[: seq.num_computed], seq.pages)
+            self.prefix_cache.recycle(seq.token_ids[: self._num_cacheable(seq)], seq.pages)
         self.pool.release(seq.pages)
         seq.pages = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_draft_computed = 0
 
     def pages_held_by_sequences(self) -> int:
         """Pages some sequence holds (pages only the prefix cache holds do not count)."""
         cache_only = self.prefix_cache.evictable_pages() if self.prefix_cache else 0
         return self.pool.num_used - cache_only
+
+    def _num_cacheable(self, seq: Sequence) -> int:
+        """Leading tokens whose KV every cache holds."""
+        if self.with_draft:
+            return min(seq.num_computed, seq.num_draft_computed)
+        return seq.num_computed

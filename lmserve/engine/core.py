@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -13,7 +14,7 @@ import torch
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
-from lmserve.config import EngineConfig, parse_opt
+from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
 from lmserve.models.loader import read_model_args, resolve_model_path
 from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
@@ -21,6 +22,7 @@ from lmserve.plan import make_plan
 from lmserve.protocol import InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.sampler import SampleResult, SamplingBatch, sample
+from lmserve.spec.draft_model import read_draft_model
 from lmserve.spec.speculator import SpecCounters, make_speculator, num_accepted
 from lmserve.sampling_params import SamplingParams
 from lmserve.scheduler import Batch, Scheduler
@@ -52,17 +54,23 @@ class EngineCore:
         path = resolve_model_path(config.model)
         self.model_path = path
         self.args = read_model_args(path)
-        self.plan = make_plan(config, self.args)
+        draft_path, draft_args = read_draft_model(config, self.args)
+        self.plan = make_plan(config, self.args, draft_args=draft_args)
         opt = parse_opt(config.opt)
         self.device = torch.device("cpu")
 
         self.runner = build_worker(path, self.args, self.plan, opt, self.device)
+        # A draft model is a second worker over the same page ids (its own KV tensors).
+        self.draft_runner = None if draft_args is None else build_worker(
+            draft_path, draft_args, dataclasses.replace(self.plan, kv_dtype=self.plan.draft_kv_dtype),
+            parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT), self.device)
         self.tokenizer = Tokenizer.from_model(path)
         plan = self.plan
         self.pool = PagePool(plan.num_pages)
         self.prefix_cache = self._make_prefix_cache(config, plan)
-        self.kv_manager = KVCacheManager(self.pool, plan.page_size, self.prefix_cache)
-        self.speculator = make_speculator(config, plan)
+        self.kv_manager = KVCacheManager(self.pool, plan.page_size, self.prefix_cache,
+                                         with_draft=self.draft_runner is not None)
+        self.speculator = make_speculator(config, plan, self.draft_runner)
         self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
                                    config.prefill_mode,
                                    self.speculator.lookahead if self.speculator else None)
@@ -157,7 +165,8 @@ class EngineCore:
         how many pages it was."""
         pages = self.pool.idle_pages(KV_IDLE_RELEASE_S)
         if pages:
-            self.runner.kv.discard(pages, lambda p: self.pool.refcount(p) == 0)
+            for runner in filter(None, (self.runner, self.draft_runner)):
+                runner.kv.discard(pages, lambda p: self.pool.refcount(p) == 0)
         return len(pages)
 
     # -- the step ------------------------------------------------------------------------------
@@ -166,6 +175,7 @@ class EngineCore:
         """Schedule, execute, sample, append, update: one forward pass over the next batch;
         returns each touched request's news. Sequences advance (and offer tokens to the prefix
         cache) only in ``update``, after their new tokens are known."""
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -176,11 +186,10 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(batch)
         logits = self.runner.execute(batch.step_input())
-        new_tokens = self._sample(batch, logits)
-        if self.speculator is not None:
-            self.speculator.record(batch, time.monotonic() - now)
-        outputs = self._append(new_tokens)
+        outputs = self._append(self._sample(batch, logits))
         self.scheduler.update(batch)
+        if self.speculator is not None:
+            self.speculator.record(batch, time.perf_counter() - started)
         self._count(batch)
         return outputs
 
@@ -218,7 +227,8 @@ class EngineCore:
         sampled = result.token_ids.tolist()
         new, row = [], 0
         for c in chunks:
-            c.num_accepted = num_accepted(c.draft_token_ids, sampled[row:])
+            c.num_accepted = num_accepted(c.draft_token_ids,
+                                          sampled[row : row + len(c.draft_token_ids) + 1])
             kept = range(row, row + c.num_accepted + 1)
             logprobs = [_logprob(result, r, c.seq.request.params) for r in kept]
             new.append(_NewTokens(c.seq, [sampled[r] for r in kept],
@@ -253,7 +263,7 @@ class EngineCore:
     def _count(self, batch: Batch) -> None:
         for c in batch.chunks:
             if c.decode:
-                self.counters.decode_tokens += c.num_tokens
+                self.counters.decode_tokens += c.num_tokens + c.num_accepted
             else:
                 self.counters.prefill_tokens += c.num_tokens
         self.counters.steps += 1

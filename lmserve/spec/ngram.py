@@ -12,6 +12,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from lmserve.request import Sequence
+from lmserve.scheduler import Batch
 
 
 class NgramDrafter:
@@ -23,10 +24,20 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.min_n = min_n
         self.max_n = max_n
+        self._proposals: dict[Sequence, list[int]] = {}  # this step's, from ``offer``
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to ``k`` draft tokens to follow ``seq.token_ids`` (none when no suffix recurs)."""
-        return propose_ngram(_tokens_array(seq), k, self.min_n, self.max_n)
+    def offer(self, seq: Sequence, cap: int) -> int:
+        """Look the drafts up now (cheap); their number is the offer."""
+        proposal = propose_ngram(_tokens_array(seq), cap, self.min_n, self.max_n)
+        if proposal:
+            self._proposals[seq] = proposal
+        return len(proposal)
+
+    def propose(self, batch: Batch) -> None:
+        for c in batch.chunks:
+            if c.num_lookahead:
+                c.draft_token_ids = self._proposals[c.seq][: c.num_lookahead]
+        self._proposals = {}
 
 
 def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from typing import Optional
+from typing import Optional, Protocol
 
 from lmserve.config import EngineConfig
 from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
 from lmserve.scheduler import Batch
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength
+from lmserve.runner import ModelRunner
+from lmserve.spec.draft_model import DraftModelDrafter
 from lmserve.spec.ngram import NgramDrafter
 
 
@@ -47,48 +49,53 @@ def num_accepted(drafts: list[int], sampled: list[int]) -> int:
     return n
 
 
+class Drafter(Protocol):
+    """What the speculator needs of a drafter (``NgramDrafter``, ``DraftModelDrafter``)."""
+
+    def offer(self, seq: Sequence, cap: int) -> int:
+        """Draft tokens the drafter can give ``seq`` this step, at most ``cap``."""
+
+    def propose(self, batch: Batch) -> None:
+        """Fill ``draft_token_ids`` of the chunks with draft slots (at most ``num_lookahead``
+        each, and at most what was offered)."""
+
+
 class Speculator:
     """Speculative decoding with a drafter and a draft length: fixed ``k``, or adaptive (k=0,
-    chosen per sequence and step by ``AdaptiveDraftLength`` up to ``MAX_ADAPTIVE_K``)."""
+    chosen per step by ``AdaptiveDraftLength`` up to ``MAX_ADAPTIVE_K``)."""
 
-    def __init__(self, drafter: NgramDrafter, k: int, max_sequence_length: int) -> None:
+    def __init__(self, drafter: Drafter, k: int, max_sequence_length: int) -> None:
         self.drafter = drafter
         self.adaptive = AdaptiveDraftLength() if k == 0 else None
         self.max_k = k or MAX_ADAPTIVE_K
         self.max_sequence_length = max_sequence_length
         self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
-        self._proposals: dict[Sequence, list[int]] = {}  # this step's, from ``lookahead``
 
     def lookahead(self, seqs: list[Sequence]) -> list[int]:
-        """Draft slots for this step's decoding sequences: what the drafter proposes, at most
+        """Draft slots for this step's decoding sequences: what the drafter offers, at most
         ``k`` (or the adaptive length), fewer near a sequence's length limits (a draft past
         ``max_tokens`` would be thrown away, and one past the longest sequence has no
         position)."""
-        proposals = [self.drafter.propose(s, c) if (c := self._cap(s)) else [] for s in seqs]
-        if self.adaptive is not None:
-            lengths = self.adaptive.choose(seqs, [len(p) for p in proposals])
-            proposals = [p[:n] for p, n in zip(proposals, lengths)]
-        self._proposals = {s: p for s, p in zip(seqs, proposals) if p}
-        return [len(p) for p in proposals]
+        offers = [self.drafter.offer(s, cap) if (cap := self._cap(s)) else 0 for s in seqs]
+        if self.adaptive is not None and any(offers):
+            k = self.adaptive.choose(sum(1 for n in offers if n))
+            return [min(n, k) for n in offers]
+        return offers
 
     def propose(self, batch: Batch) -> None:
         """Fill the draft tokens of every chunk with reserved slots (a chunk may have been
         granted fewer slots than asked, when pages were short)."""
-        for c in batch.chunks:
-            if c.num_lookahead:
-                c.draft_token_ids = self._proposals[c.seq][: c.num_lookahead]
-        self._proposals = {}
+        self.drafter.propose(batch)
 
     def record(self, batch: Batch, seconds: float) -> None:
-        """Count a verified step (its chunks' ``num_accepted`` set) that took ``seconds``."""
-        decode_only = True
+        """Count a step (its chunks' ``num_accepted`` set) that took ``seconds`` in all."""
+        decode_only, tokens = True, 0
         for chunk in batch.chunks:
             if not chunk.decode:
                 decode_only = False
                 continue
+            tokens += 1 + chunk.num_accepted
             drafts, accepted = len(chunk.draft_token_ids), chunk.num_accepted
-            if self.adaptive is not None:
-                self.adaptive.observe_verify(chunk.seq, drafts, accepted)
             if drafts:
                 c = self.counters
                 c.num_drafts += 1
@@ -97,7 +104,7 @@ class Speculator:
                 for pos in range(accepted):
                     c.accepted_per_pos[pos] += 1
         if self.adaptive is not None and decode_only:
-            self.adaptive.observe_step(batch.num_tokens, seconds)
+            self.adaptive.observe(tokens, seconds)
 
     def _cap(self, seq: Sequence) -> int:
         left = self.max_sequence_length - len(seq.token_ids)
@@ -107,8 +114,14 @@ class Speculator:
         return max(0, min(self.max_k, left - 1))
 
 
-def make_speculator(config: EngineConfig, plan: EnginePlan) -> Optional[Speculator]:
-    """The config's speculative decoding, or None when it is off."""
+def make_speculator(config: EngineConfig, plan: EnginePlan,
+                    draft_runner: Optional[ModelRunner] = None) -> Optional[Speculator]:
+    """The config's speculative decoding, or None when it is off. ``draft_runner``: the draft
+    model's worker, for ``small_draft``."""
     if config.speculative_mode == "disable":
         return None
-    return Speculator(NgramDrafter(), config.spec_draft_length, plan.max_single_sequence_length)
+    if config.speculative_mode == "ngram":
+        drafter: Drafter = NgramDrafter()
+    else:
+        drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size)
+    return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length)

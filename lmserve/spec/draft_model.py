@@ -1,0 +1,102 @@
+"""Drafting with a small model (``speculative_mode="small_draft"``, ``additional_models[0]``).
+
+The draft model is a second worker (``build_worker``) whose KV tensors are indexed by the same
+page ids as the target's: one page pool, so the prefix cache, preemption and rollback cover both
+caches at once. ``Sequence.num_draft_computed`` counts the tokens with draft KV. The draft keeps
+step with prefill chunks (it runs them in the same step as the target), catches up on tokens it
+skipped (steps where nothing was drafted), then drafts greedily, one pass per draft position for
+all drafting sequences together. Its drafts are deterministic (the draft's argmax), so the
+target's verification needs no draft probabilities (see ``speculator``); after verification the
+draft's count is clamped to the verified tokens (``KVCacheManager.rollback``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lmserve.config import EngineConfig
+from lmserve.models.args import ModelArgs
+from lmserve.models.loader import read_model_args, resolve_model_path
+from lmserve.request import Sequence
+from lmserve.runner import ModelRunner
+from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.step import SeqStep, StepInput
+
+
+class DraftModelDrafter:
+    """Greedy drafts from a draft model's runner; at most ``max_pass_tokens`` tokens a pass."""
+
+    def __init__(self, runner: ModelRunner, max_pass_tokens: int) -> None:
+        self.runner = runner
+        self.max_pass_tokens = max_pass_tokens
+
+    def offer(self, seq: Sequence, cap: int) -> int:
+        return cap
+
+    def propose(self, batch: Batch) -> None:
+        # Catch up: prefill chunks' tokens, and every token of a drafting sequence up to its
+        # newest, whose logits give the first draft.
+        ends = {}
+        for c in batch.chunks:
+            if not c.decode:
+                ends[c] = c.seq.num_computed + c.num_tokens
+            elif c.num_lookahead:
+                ends[c] = len(c.seq.token_ids)
+        first = self._catch_up(ends)
+        drafting = [c for c in batch.chunks if c.decode and c.num_lookahead]
+        for c in drafting:
+            c.draft_token_ids = [first[c]]
+        for depth in range(1, max((c.num_lookahead for c in drafting), default=0)):
+            deeper = [c for c in drafting if c.num_lookahead > depth]
+            steps = [SeqStep(start=c.seq.num_draft_computed, token_ids=c.draft_token_ids[-1:],
+                             page_table=list(c.seq.pages), num_logits=1) for c in deeper]
+            for c, token in zip(deeper, self._run(steps)):
+                c.seq.num_draft_computed += 1
+                c.draft_token_ids.append(token)
+
+    def _catch_up(self, ends: dict[ScheduledChunk, int]) -> dict[ScheduledChunk, int]:
+        """Run each chunk's tokens from its draft count to its end, in passes of at most
+        ``max_pass_tokens``; returns the draft's next token of each decoding chunk."""
+        first: dict[ScheduledChunk, int] = {}
+        while pending := [c for c, end in ends.items() if c.seq.num_draft_computed < end]:
+            steps, chunks, budget = [], [], self.max_pass_tokens
+            for c in pending:
+                seq, n = c.seq, min(ends[c] - c.seq.num_draft_computed, budget)
+                if n <= 0:
+                    break
+                start = seq.num_draft_computed
+                wants = c.decode and start + n == ends[c]
+                steps.append(SeqStep(start=start, token_ids=seq.token_ids[start : start + n],
+                                     page_table=list(seq.pages), num_logits=1 if wants else 0))
+                chunks.append(c)
+                budget -= n
+            tokens = iter(self._run(steps))
+            for c, step in zip(chunks, steps):
+                c.seq.num_draft_computed += len(step.token_ids)
+                if step.num_logits:
+                    first[c] = next(tokens)
+        return first
+
+    def _run(self, steps: list[SeqStep]) -> list[int]:
+        """One draft pass; the argmax token of each logit row."""
+        logits = self.runner.execute(StepInput(steps))
+        return logits.argmax(dim=-1).tolist() if logits.shape[0] else []
+
+
+def read_draft_model(config: EngineConfig,
+                     target: ModelArgs) -> tuple[Optional[str], Optional[ModelArgs]]:
+    """small_draft's model as (path, hyper-parameters), checked against the target; (None, None)
+    for other modes. Errors name ``additional_models[0]``."""
+    if config.speculative_mode != "small_draft":
+        return None, None
+    given = config.additional_models[0]
+    try:
+        path = resolve_model_path(given)
+        args = read_model_args(path)
+    except (OSError, ValueError) as err:
+        raise type(err)(f"additional_models[0] (the draft model): {err}") from None
+    if args.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"additional_models[0] ({given!r}) has a vocabulary of {args.vocab_size} tokens and "
+            f"the model {target.vocab_size}: a draft model must share the target's vocabulary")
+    return path, args
