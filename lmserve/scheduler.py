@@ -84,10 +84,11 @@ class Scheduler:
         max_num_sequence: int,
         prefill_chunk_size: int,
         prefill_mode: str = "hybrid",
-        lookahead: Optional[Callable[[list[Sequence]], list[int]]] = None,
+        lookahead: Optional[Callable[[list[Sequence], bool], list[int]]] = None,
     ) -> None:
-        """``lookahead(seqs)``: the draft slots to reserve for each of this step's decoding
-        sequences (the speculative drafter's wish); None without speculation."""
+        """``lookahead(seqs, with_prefill)``: the draft slots to reserve for each of this step's
+        decoding sequences (the speculative drafter's wish), told whether prefill chunks may
+        share the step; None without speculation."""
         self.kv = kv
         self.lookahead = lookahead
         self.max_num_sequence = max_num_sequence
@@ -168,7 +169,9 @@ class Scheduler:
         """Chunks for running sequences: decodes first claim their token (and draft slots),
         prefills share the rest."""
         decoding = [s for s in self.running if s.is_decoding] if decodes else []
-        slots = self.lookahead(decoding) if self.lookahead and decoding else [0] * len(decoding)
+        slots = [0] * len(decoding)
+        if self.lookahead and decoding:
+            slots = self.lookahead(decoding, prefills and self._has_prefill_work())
         lookahead = dict(zip(decoding, _fit(slots, self.prefill_chunk_size - len(decoding))))
         room = self.prefill_chunk_size - len(decoding) - sum(lookahead.values())
         budget = room if prefills else 0

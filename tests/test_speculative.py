@@ -76,7 +76,7 @@ def test_acceptance_is_the_longest_prefix_equal_to_the_targets_tokens():
 def test_the_scheduler_reserves_draft_slots_and_update_rolls_back_the_rejected():
     pool = PagePool(8)
     s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=16,
-                  lookahead=lambda seqs: [3] * len(seqs))
+                  lookahead=lambda seqs, with_prefill: [3] * len(seqs))
     a = Sequence(Request("a", list(range(7)), None), 0, list(range(7)), None)
     s.add(a)
     batch = s.schedule()
@@ -99,7 +99,7 @@ def test_the_scheduler_reserves_draft_slots_and_update_rolls_back_the_rejected()
 def test_draft_slots_never_preempt_anyone():
     pool = PagePool(3)
     s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=16,
-                  lookahead=lambda seqs: [4] * len(seqs))
+                  lookahead=lambda seqs, with_prefill: [4] * len(seqs))
     a = Sequence(Request("a", list(range(4)), None), 0, list(range(4)), None)
     b = Sequence(Request("b", list(range(6)), None), 0, list(range(6)), None)
     s.add(a)
@@ -310,7 +310,7 @@ def test_two_hundred_requests_aborted_at_random_points_leave_no_page(tiny_model_
 def test_draft_slots_are_trimmed_so_a_step_stays_within_the_chunk():
     pool = PagePool(64)
     s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=10,
-                  lookahead=lambda seqs: [5, 1, 4][: len(seqs)])
+                  lookahead=lambda seqs, with_prefill: [5, 1, 4][: len(seqs)])
     seqs = [Sequence(Request(n, [1, 2], None), 0, [1, 2], None) for n in "abc"]
     for q in seqs:
         s.add(q)

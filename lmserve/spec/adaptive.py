@@ -20,7 +20,7 @@ from typing import Optional
 # The draft lengths the adaptive length moves between; the last is the longest it chooses.
 LENGTHS = (0, 1, 2, 3, 4, 6, 8)
 MAX_ADAPTIVE_K = LENGTHS[-1]
-_EXPLORE_EVERY = 8  # steps between tries of a neighbouring length
+_FIRST_INTERVAL, _MAX_INTERVAL = 4, 64  # steps between tries of a neighbouring length
 _SMOOTHING = 0.15  # weight of a new measurement in a length's running goodput
 _MIN_TRIES = 3  # measurements of a neighbour before the engine may move to it
 _MARGIN = 0.02  # a neighbour must be this much better to move
@@ -30,10 +30,12 @@ _MARGIN = 0.02  # a neighbour must be this much better to move
 class _BatchSize:
     """What was measured for one batch-size bucket."""
 
-    current: int = 2  # index into LENGTHS: start at 2 drafts, a good guess at one stream
+    current: int  # index into LENGTHS
     goodput: dict[int, float] = field(default_factory=dict)  # index -> tokens/s, smoothed
     tries: dict[int, int] = field(default_factory=dict)  # index -> measurements
-    steps: int = 0
+    interval: int = _FIRST_INTERVAL  # steps between tries of a neighbour
+    until_try: int = _FIRST_INTERVAL
+    tried_above: bool = False  # which neighbour the last try took
 
 
 class AdaptiveDraftLength:
@@ -44,19 +46,27 @@ class AdaptiveDraftLength:
         self._last: Optional[tuple[_BatchSize, int]] = None  # this step's bucket and length
 
     def choose(self, num_seqs: int) -> int:
-        """The draft length for a step of ``num_seqs`` decoding sequences that have drafts to
-        offer."""
-        bucket = self._buckets.setdefault(max(num_seqs, 1).bit_length(), _BatchSize())
-        bucket.steps += 1
+        """The draft length for a step of ``num_seqs`` decoding sequences."""
+        key = max(num_seqs, 1).bit_length()  # 1, 2-3, 4-7, ...
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _BatchSize(current=LENGTHS.index(2) if key <= 2 else 0)
         index = bucket.current
-        if bucket.steps % _EXPLORE_EVERY == 0:  # alternate below and above
-            step = -1 if (bucket.steps // _EXPLORE_EVERY) % 2 else 1
-            index = min(max(index + step, 0), len(LENGTHS) - 1)
+        bucket.until_try -= 1
+        if bucket.until_try <= 0:  # try a neighbour: below and above in turn
+            bucket.until_try = bucket.interval
+            bucket.tried_above = not bucket.tried_above or index == 0
+            index = min(max(index + (1 if bucket.tried_above else -1), 0), len(LENGTHS) - 1)
         self._last = (bucket, index)
         return LENGTHS[index]
 
+    def skip(self) -> None:
+        """This step is not the one chosen last: it must not be measured as such."""
+        self._last = None
+
     def observe(self, tokens: float, seconds: float) -> None:
-        """The step chosen last (decodes only) gave ``tokens`` verified tokens in ``seconds``."""
+        """The step chosen last gave ``tokens`` verified tokens in ``seconds``. Only decode
+        steps are observed; ``skip`` says that the next step was not chosen here."""
         if self._last is None or seconds <= 0:
             return
         bucket, index = self._last
@@ -65,9 +75,12 @@ class AdaptiveDraftLength:
         old = bucket.goodput.get(index)
         bucket.goodput[index] = rate if old is None else old + _SMOOTHING * (rate - old)
         bucket.tries[index] = bucket.tries.get(index, 0) + 1
+        if index == bucket.current:
+            return
         best = bucket.goodput.get(bucket.current)
-        for neighbour in (bucket.current - 1, bucket.current + 1):
-            seen = bucket.goodput.get(neighbour)
-            if (seen is not None and bucket.tries[neighbour] >= _MIN_TRIES
-                    and (best is None or seen > best * (1 + _MARGIN))):
-                bucket.current, best = neighbour, seen
+        better = best is None or bucket.goodput[index] > best * (1 + _MARGIN)
+        if bucket.tries[index] >= _MIN_TRIES and better:
+            bucket.current = index  # moved: look around the new length often again
+            bucket.interval = bucket.until_try = _FIRST_INTERVAL
+        elif best is not None and bucket.goodput[index] < best:
+            bucket.interval = min(2 * bucket.interval, _MAX_INTERVAL)

@@ -9,7 +9,6 @@ rewrites and code edits copy long runs of their input. The longest suffix of ``m
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from lmserve.request import Sequence
 from lmserve.scheduler import Batch
@@ -42,16 +41,29 @@ class NgramDrafter:
 
 def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
     """The up to ``k`` tokens after the latest earlier occurrence of the longest suffix of
-    ``tokens`` of ``max_n`` down to ``min_n`` tokens; [] when there is none."""
+    ``tokens`` of ``max_n`` down to ``min_n`` tokens; [] when there is none.
+
+    One pass over the tokens finds the earlier occurrences of the last token; the match is then
+    extended backwards at all of them at once (a step costs microseconds, not a scan per n).
+    """
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # Windows starting at 0 .. length-n-1: every occurrence but the suffix itself.
-        windows = sliding_window_view(tokens[: length - 1], n)  # (length - n, n)
-        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # earlier last tokens
+    if len(ends) == 0:
+        return []
+    matched = np.ones(len(ends), dtype=np.int64)  # suffix tokens matched at each
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, max_n):
+        at = ends - back
+        alive &= at >= 0
+        alive[alive] = tokens[at[alive]] == tokens[length - 1 - back]
+        if not alive.any():
+            break
+        matched += alive
+    longest = int(matched.max())
+    if longest < min_n:
+        return []
+    start = int(ends[np.flatnonzero(matched == longest)[-1]]) + 1
+    return tokens[start : start + k].tolist()
 
 
 def _tokens_array(seq: Sequence) -> np.ndarray:

@@ -71,14 +71,19 @@ class Speculator:
         self.max_sequence_length = max_sequence_length
         self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
 
-    def lookahead(self, seqs: list[Sequence]) -> list[int]:
+    def lookahead(self, seqs: list[Sequence], with_prefill: bool = False) -> list[int]:
         """Draft slots for this step's decoding sequences: what the drafter offers, at most
         ``k`` (or the adaptive length), fewer near a sequence's length limits (a draft past
         ``max_tokens`` would be thrown away, and one past the longest sequence has no
-        position)."""
+        position). The adaptive length drafts nothing in a step that prefill chunks may share
+        (``with_prefill``): such a step is compute-bound, where drafts cost a full token."""
+        if self.adaptive is not None:
+            self.adaptive.skip()  # unless it chooses below
+            if with_prefill:
+                return [0] * len(seqs)
         offers = [self.drafter.offer(s, cap) if (cap := self._cap(s)) else 0 for s in seqs]
         if self.adaptive is not None and any(offers):
-            k = self.adaptive.choose(sum(1 for n in offers if n))
+            k = self.adaptive.choose(len(seqs))
             return [min(n, k) for n in offers]
         return offers
 
