@@ -17,6 +17,7 @@ from lmserve import Engine, SamplingParams
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
+from lmserve.models.builtin import builtin_model_path
 from lmserve.request import Request, Sequence
 from lmserve.scheduler import Scheduler
 from lmserve.spec.adaptive import AdaptiveDraftLength
@@ -179,13 +180,15 @@ def test_ngram_output_is_identical_at_every_level(prompts, opt):
         spec.shutdown()
 
 
-@pytest.mark.parametrize("prefill_mode", ["hybrid", "chunked"])
-def test_ngram_under_preemption_and_the_prefix_cache_keeps_outputs_and_frees_pages(
-        prompts, reference, prefill_mode):
+@pytest.mark.parametrize("mode, prefill_mode", [("ngram", "hybrid"), ("ngram", "chunked"),
+                                               ("small_draft", "hybrid")])
+def test_speculation_under_preemption_and_the_prefix_cache_keeps_outputs_and_frees_pages(
+        prompts, reference, mode, prefill_mode):
     # 12 pages of 16 tokens for 7 prompts of about 80 tokens (+40): preemption is certain.
+    draft = {"additional_models": [builtin_model_path()]} if mode == "small_draft" else {}
     engine = Engine(max_num_sequence=8, max_total_sequence_length=192, prefill_chunk_size=64,
-                    prefill_mode=prefill_mode, speculative_mode="ngram", spec_draft_length=3,
-                    verbose=False)
+                    prefill_mode=prefill_mode, speculative_mode=mode, spec_draft_length=3,
+                    verbose=False, **draft)
     try:
         assert run_concurrently(engine, prompts, GREEDY) == reference
         assert run_concurrently(engine, prompts, GREEDY) == reference  # now from the cache too
@@ -326,8 +329,6 @@ def test_draft_slots_are_trimmed_so_a_step_stays_within_the_chunk():
 # -- small_draft: a draft model over the same pages ------------------------------------------------
 
 def _draft_engine(**kwargs) -> Engine:
-    from lmserve.models.builtin import builtin_model_path
-
     return Engine(verbose=False, speculative_mode="small_draft",
                   additional_models=[builtin_model_path()], **kwargs)
 
@@ -346,21 +347,6 @@ def test_a_draft_model_changes_no_output_alone_in_company_or_seeded(builtin_engi
             generate_tokens(builtin_engine, prompts[1], seeded)
         stats = engine.stats()
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
-        wait_idle(engine)
-        assert engine.kv_pages_in_use() == 0
-    finally:
-        engine.shutdown()
-
-
-def test_a_draft_model_under_preemption_and_the_prefix_cache(prompts, reference):
-    engine = _draft_engine(max_num_sequence=8, max_total_sequence_length=192,
-                           prefill_chunk_size=64, spec_draft_length=3)
-    try:
-        assert run_concurrently(engine, prompts, GREEDY) == reference
-        assert run_concurrently(engine, prompts, GREEDY) == reference
-        stats = engine.stats()
-        assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
-        assert stats.spec_num_accepted_tokens > 0
         wait_idle(engine)
         assert engine.kv_pages_in_use() == 0
     finally:
