@@ -98,6 +98,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._last_step_prefilled = False  # chunked mode alternates prefill and decode steps
+        self._wishes: dict[Sequence, int] = {}  # this step's draft slots wished, by sequence
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which found, and not computed again
 
@@ -128,6 +129,7 @@ class Scheduler:
         chunks = self._schedule_running(decodes=True, prefills=self.prefill_mode == "hybrid")
         if self.prefill_mode == "hybrid" and self.num_preemptions == preempted:
             chunks += self._admit_waiting(self.prefill_chunk_size - _tokens(chunks))
+        self._grant_draft_slots(chunks)
         return Batch(chunks) if chunks else None
 
     def finish(self, seq: Sequence) -> None:
@@ -172,8 +174,8 @@ class Scheduler:
         slots = [0] * len(decoding)
         if self.lookahead and decoding:
             slots = self.lookahead(decoding, prefills and self._has_prefill_work())
-        lookahead = dict(zip(decoding, _fit(slots, self.prefill_chunk_size - len(decoding))))
-        room = self.prefill_chunk_size - len(decoding) - sum(lookahead.values())
+        self._wishes = dict(zip(decoding, _fit(slots, self.prefill_chunk_size - len(decoding))))
+        room = self.prefill_chunk_size - len(decoding) - sum(self._wishes.values())
         budget = room if prefills else 0
         chunks: list[ScheduledChunk] = []
         i = 0
@@ -184,31 +186,36 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            granted = self._reserve(seq, n, lookahead.get(seq, 0))
-            if granted is None:
+            if not self._reserve(seq, n):
                 continue  # seq preempted itself (it was the newest); nothing left after it
             if not is_decode:
                 budget -= n
-            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=is_decode,
-                                         num_lookahead=granted))
+            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=is_decode))
             i += 1
         return chunks
 
-    def _reserve(self, seq: Sequence, n: int, lookahead: int = 0) -> Optional[int]:
-        """Give ``seq`` pages for ``n`` more tokens, preempting the newest sequences if needed,
-        and for ``lookahead`` draft slots if they fit without preempting anyone.
+    def _grant_draft_slots(self, chunks: list[ScheduledChunk]) -> None:
+        """Give decoding chunks the draft slots wished for them, from the pages every chunk's
+        own tokens left free: a draft that may be rejected never preempts a sequence, evicts a
+        cached prefix or keeps a waiting one out."""
+        for c in chunks:
+            slots = self._wishes.get(c.seq, 0) if c.decode else 0
+            while slots and not self.kv.allocate(c.seq, c.num_tokens, slots, evict=False):
+                slots -= 1
+            c.num_lookahead = slots
+        self._wishes = {}
 
-        Returns the draft slots granted, or None when ``seq`` had to preempt itself (it was the
-        newest one left).
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Give ``seq`` pages for ``n`` more tokens, preempting the newest sequences if needed.
+
+        Returns False when ``seq`` had to preempt itself (it was the newest one left).
         """
-        if lookahead and self.kv.allocate(seq, n, lookahead):
-            return lookahead
         while not self.kv.allocate(seq, n):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
-                return None
-        return 0
+                return False
+        return True
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []

@@ -75,3 +75,20 @@ def test_the_last_token_is_never_matched_and_no_cache_matches_nothing():
     _, off = make(cache=False)
     c = seq(list(range(8)))
     assert not off.match_prefix(c) and c.pages == []
+
+
+def test_a_cache_only_page_that_eviction_cannot_take_fails_the_allocation_cleanly():
+    # x and y start together (nothing cached yet) with the same first page. x's page goes in
+    # the cache, y's second page becomes a child node that y still holds. Once x is gone its
+    # page is cache-only (counted evictable), but it is not a leaf, so eviction cannot free it.
+    pool, kv = make(num_pages=5)
+    x, y = seq(list(range(4))), seq(list(range(8)))
+    assert kv.allocate(x, 4) and kv.allocate(y, 8)
+    x.num_computed, y.num_computed = 4, 8
+    kv.cache(x)
+    kv.cache(y)
+    kv.free(x)
+    assert pool.num_free == 2 and kv.prefix_cache.evictable_pages() == 1
+    z = seq(list(range(100, 112)))
+    assert not kv.allocate(z, 12)  # 3 pages: 2 free + 1 "evictable" that is not
+    assert z.pages == [] and pool.num_free == 2

@@ -97,23 +97,25 @@ def test_the_scheduler_reserves_draft_slots_and_update_rolls_back_the_rejected()
     assert a.num_computed == 8 and a.pages == [0, 1] and pool.num_free == 6
 
 
-def test_draft_slots_never_preempt_anyone():
+def test_draft_slots_take_only_what_every_sequences_own_token_left():
     pool = PagePool(3)
     s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=16,
                   lookahead=lambda seqs, with_prefill: [4] * len(seqs))
-    a = Sequence(Request("a", list(range(4)), None), 0, list(range(4)), None)
-    b = Sequence(Request("b", list(range(6)), None), 0, list(range(6)), None)
+    a = Sequence(Request("a", list(range(3)), None), 0, list(range(3)), None)
+    b = Sequence(Request("b", list(range(4)), None), 0, list(range(4)), None)
     s.add(a)
     s.add(b)
-    batch = s.schedule()  # a: 1 page, b: 2 pages; the pool is full
+    batch = s.schedule()  # a: 1 page, b: 1 page, 1 free
     a.token_ids.append(0)
     b.token_ids.append(0)
     s.update(batch)
     batch = s.schedule()
-    # a's token at position 4 needs a page: b (newest) is preempted for it, but no draft slot
-    # is worth a preemption, so neither gets one.
-    assert [(c.seq is a, c.num_lookahead) for c in batch.chunks] == [(True, 0)]
-    assert s.num_preemptions == 1
+    # b's token at position 4 needs the free page. Were a's drafts (positions 4..7) served
+    # first, they would take it and b would be preempted; drafts come last instead, and b's
+    # new page has room for 3 of its own.
+    granted = [(c.seq.request.request_id, c.num_lookahead) for c in batch.chunks]
+    assert granted == [("a", 0), ("b", 3)]
+    assert s.num_preemptions == 0 and pool.num_free == 0
 
 
 def _simulate(policy: AdaptiveDraftLength, num_seqs: int, acceptance: float, t0: float,

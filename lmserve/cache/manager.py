@@ -50,16 +50,21 @@ class KVCacheManager:
         return max(0, pages_needed(seq.num_computed + num_tokens + lookahead, self.page_size)
                    - len(seq.pages))
 
-    def allocate(self, seq: Sequence, num_tokens: int, lookahead: int = 0) -> bool:
+    def allocate(self, seq: Sequence, num_tokens: int, lookahead: int = 0,
+                 evict: bool = True) -> bool:
         """Give ``seq`` pages for ``num_tokens`` more tokens plus ``lookahead`` draft slots,
-        evicting unused cached prefixes if needed; all or nothing (nothing is evicted in vain).
-        False: not enough memory."""
+        evicting unused cached prefixes if needed (and ``evict``); all or nothing, and nothing
+        is evicted when even the whole cache could not make room. False: not enough memory."""
         need = self.pages_to_allocate(seq, num_tokens, lookahead)
         if need > self.pool.num_free:
-            cached = self.prefix_cache.evictable_pages() if self.prefix_cache else 0
+            cached = self.prefix_cache.evictable_pages() if self.prefix_cache and evict else 0
             if need > self.pool.num_free + cached:
                 return False
             self.prefix_cache.evict(need - self.pool.num_free)
+            # evictable_pages counts a cache-only page under a leaf still in use, which evict
+            # cannot take: check what it freed.
+            if need > self.pool.num_free:
+                return False
         seq.pages += self.pool.alloc(need)
         return True
 
