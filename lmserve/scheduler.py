@@ -53,11 +53,6 @@ class ScheduledChunk:
 class Batch:
     chunks: list[ScheduledChunk]
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the step runs, drafts included."""
-        return sum(c.num_tokens + len(c.draft_token_ids) for c in self.chunks)
-
     def step_input(self) -> StepInput:
         """The step as the runner sees it: plain data, one ``SeqStep`` per chunk."""
         return StepInput([c.seq_step() for c in self.chunks])
@@ -70,11 +65,6 @@ def _fit(slots: list[int], room: int) -> list[int]:
     while sum(slots) > max(room, 0):
         slots[slots.index(max(slots))] -= 1
     return slots
-
-
-def _tokens(chunks: list[ScheduledChunk]) -> int:
-    """Tokens the chunks run, draft slots included."""
-    return sum(c.num_tokens + c.num_lookahead for c in chunks)
 
 
 class Scheduler:
@@ -120,7 +110,7 @@ class Scheduler:
                 and not (self._last_step_prefilled and decodes_wait)):
             chunks = self._schedule_running(decodes=False, prefills=True)
             if self.num_preemptions == preempted:
-                chunks += self._admit_waiting(self.prefill_chunk_size - _tokens(chunks))
+                chunks += self._admit_waiting(self.prefill_chunk_size - self._tokens(chunks))
             self._last_step_prefilled = bool(chunks)
             if chunks:
                 return Batch(chunks)
@@ -128,7 +118,7 @@ class Scheduler:
         self._last_step_prefilled = False
         chunks = self._schedule_running(decodes=True, prefills=self.prefill_mode == "hybrid")
         if self.prefill_mode == "hybrid" and self.num_preemptions == preempted:
-            chunks += self._admit_waiting(self.prefill_chunk_size - _tokens(chunks))
+            chunks += self._admit_waiting(self.prefill_chunk_size - self._tokens(chunks))
         self._grant_draft_slots(chunks)
         return Batch(chunks) if chunks else None
 
@@ -193,6 +183,10 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=is_decode))
             i += 1
         return chunks
+
+    def _tokens(self, chunks: list[ScheduledChunk]) -> int:
+        """Tokens the chunks run, the draft slots wished for them included (granted later)."""
+        return sum(c.num_tokens + self._wishes.get(c.seq, 0) for c in chunks)
 
     def _grant_draft_slots(self, chunks: list[ScheduledChunk]) -> None:
         """Give decoding chunks the draft slots wished for them, from the pages every chunk's

@@ -393,3 +393,18 @@ def test_a_draft_model_is_refused_with_a_reason(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="additional_models"):
         Engine(model=tiny_model_dir, verbose=False, speculative_mode="ngram",
                additional_models=[tiny_model_dir])
+
+
+def test_admissions_leave_room_for_the_draft_slots_wished():
+    pool = PagePool(64)
+    s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=10,
+                  lookahead=lambda seqs, with_prefill: [4] * len(seqs))
+    a = Sequence(Request("a", [1, 2], None), 0, [1, 2], None)
+    s.add(a)
+    batch = s.schedule()
+    a.token_ids.append(0)
+    s.update(batch)
+    s.add(Sequence(Request("b", list(range(20)), None), 0, list(range(20)), None))
+    batch = s.schedule()
+    # a's token and its 4 draft slots leave 5 of the 10 tokens for b's first chunk.
+    assert [(c.num_tokens, c.num_lookahead) for c in batch.chunks] == [(1, 4), (5, 0)]
