@@ -232,3 +232,107 @@ def test_int8_cache_stays_close_to_float32(hd, page, monkeypatch):
         v_scale = flat[:, hd * page :].contiguous().view(torch.float32)[:, off]
         value = v_codes.float() * v_scale[:, None]
         assert (value - v32[slot]).abs().max() <= v32[slot].abs().max() / 254 + 1e-6
+
+
+# A draft tree after 37 cached tokens: the root (the newest token), a chain of 3 below it, and
+# siblings at depths 1, 2 and 3 (parents index the step's tokens; -1: the root's).
+TREE_PARENTS = [-1, 0, 1, 2, 0, 1, 1, 2, 7]
+
+
+def tree_masks(parents):
+    masks = []
+    for i, p in enumerate(parents):
+        masks.append((masks[p] if p >= 0 else 0) | 1 << i)
+    return masks
+
+
+def run_tree_step(backend, caches, rows, pages, done, masks, rotary):
+    """One step of a draft tree's tokens (``rows``: their qkv) after ``done`` cached tokens."""
+    depth = torch.tensor([m.bit_count() - 1 for m in masks])
+    cos, sin = rotary.lookup(done + depth)
+    inp = AttentionInput([len(masks)], [done + len(masks)], [pages], tree_masks=[masks])
+    meta = backend.prepare(inp, PAGE, torch.device("cpu"))
+    return backend.forward(meta, rows, cos, sin, *caches).view(len(masks), H, -1)
+
+
+@pytest.mark.parametrize("name,cache", [
+    ("torch_native", torch.float32),
+    *(pytest.param("cpu_paged", c, marks=needs_kernel) for c in (torch.float32, torch.bfloat16, torch.int8))])
+@pytest.mark.parametrize("page", [4, 16])  # 16: the chain's decode rows read the cache directly
+@pytest.mark.parametrize("hd", [16, 64])
+def test_draft_tree_tokens_attend_as_their_chain_would(name, cache, page, hd, monkeypatch):
+    """Each token of a draft tree, verified in one step, gets the output its chain (the cached
+    prefix, its ancestors, itself) gets when run as plain tokens: bit-identical with the C++
+    kernel (so a verified draft's KV and logits are those of decoding it), within float32
+    rounding with torch; and every tree token's key lands in its own slot of the step."""
+    monkeypatch.setattr(sys.modules[__name__], "PAGE", page)
+    torch.manual_seed(6)
+    backend = create_backend(name, AttentionShape(H, KVH, hd))
+    rotary = RotaryEmbedding(hd, 128, 10000.0)
+    done, masks = 37, tree_masks(TREE_PARENTS)
+    prefix = torch.randn(done, (H + 2 * KVH) * hd)
+    rows = torch.randn(len(masks), (H + 2 * KVH) * hd)
+    n_pages = -(-(done + len(masks)) // page)
+    pages = torch.randperm(2 * n_pages)[:n_pages].tolist()
+
+    caches = make_caches(backend, 2 * n_pages, cache)
+    run_step(backend, caches, [prefix], [pages], [done], [0], rotary)
+    tree = run_tree_step(backend, caches, rows, pages, done, masks, rotary)
+    keys = [key_at(backend, caches[0], pages[(done + i) // page] * page + (done + i) % page)
+            for i in range(len(masks))] if cache != torch.int8 else []
+
+    for i, m in enumerate(masks):
+        path = [j for j in range(len(masks)) if m >> j & 1]
+        chain = torch.cat([prefix, rows[path]])
+        c = make_caches(backend, 2 * n_pages, cache)
+        run_step(backend, c, [chain], [pages], [done], [0], rotary)
+        # the chain's last token decoded, after its ancestors as one chunk
+        if len(path) > 1:
+            run_step(backend, c, [chain], [pages], [len(path) - 1], [done], rotary)
+        alone = run_step(backend, c, [chain], [pages], [1], [done + len(path) - 1], rotary)[0]
+        if name == "cpu_paged":
+            assert torch.equal(tree[i], alone), f"tree token {i}"
+        else:
+            torch.testing.assert_close(tree[i], alone, atol=1e-5, rtol=1e-5)
+        if keys:  # its key (rotated at its depth) sits at its own step slot
+            at = done + len(path) - 1
+            torch.testing.assert_close(keys[i], key_at(backend, c[0], pages[at // page] * page + at % page))
+
+
+@pytest.mark.parametrize("name,cache", [
+    ("torch_native", torch.float32), ("torch_native", torch.bfloat16),
+    *(pytest.param("cpu_paged", c, marks=needs_kernel) for c in (torch.float32, torch.bfloat16, torch.int8))])
+@pytest.mark.parametrize("page", [4, 16])
+def test_moved_tree_path_reads_as_if_decoded_in_place(name, cache, page, monkeypatch):
+    """After a tree step, the accepted path's KV moved into place (``KVCache.move``) is the KV
+    its chain has: the next token attends it exactly as after decoding the chain, in every cache
+    layout (keys by slot or transposed, float or int8 codes with their scales)."""
+    monkeypatch.setattr(sys.modules[__name__], "PAGE", page)
+    torch.manual_seed(7)
+    backend = create_backend(name, SHAPE)
+    rotary = RotaryEmbedding(HD, 128, 10000.0)
+    done, masks = 37, tree_masks(TREE_PARENTS)
+    path = [0, 1, 2, 7, 8]  # the root, then depths 1 to 4
+    prefix = torch.randn(done, (H + 2 * KVH) * HD)
+    rows = torch.randn(len(masks), (H + 2 * KVH) * HD)
+    after = torch.randn(1, (H + 2 * KVH) * HD)  # the token after the accepted path
+    n_pages = -(-(done + len(masks)) // page)
+    pages = torch.randperm(2 * n_pages)[:n_pages].tolist()
+    chain = torch.cat([prefix, rows[path], after])
+    at = done + len(path)
+    outs = []
+    for tree in (True, False):
+        kv = KVCache(1, 2 * n_pages, page, KVH, HD, cache, keys_transposed=backend.keys_transposed)
+        caches = (kv.k[0], kv.v[0])
+        run_step(backend, caches, [chain], [pages], [done], [0], rotary)
+        if tree:
+            run_tree_step(backend, caches, rows, pages, done, masks, rotary)
+            slot = [pages[(done + j) // page] * page + (done + j) % page for j in range(len(masks))]
+            kv.move([slot[j] for j in path[3:]], [slot[3], slot[4]])
+        else:
+            run_step(backend, caches, [chain], [pages], [len(path)], [done], rotary)
+        outs.append(run_step(backend, caches, [chain], [pages], [1], [at], rotary))
+    if name == "cpu_paged":
+        assert torch.equal(outs[0], outs[1])
+    else:
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

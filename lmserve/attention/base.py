@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -16,11 +17,18 @@ class AttentionInput:
     contributes ``query_lens[i]`` new tokens at positions ``context_lens[i] - query_lens[i]``
     .. ``context_lens[i] - 1``; its keys and values for all ``context_lens[i]`` positions live in
     the KV cache slots of ``page_tables[i]``.
+
+    A draft tree (speculative decoding) changes what a sequence's new tokens attend, not where
+    their keys go: with ``tree_masks[i]`` given, its new token ``j`` attends the keys before the
+    step and those of the step's tokens set in bit ``j'`` of ``tree_masks[i][j]`` (its ancestors
+    in the tree and itself, bit 0 the first new token); its position (rotary) is the context
+    before the step plus the bits set, minus one. None: causal, as a chain.
     """
 
     query_lens: list[int]
     context_lens: list[int]
     page_tables: list[list[int]]
+    tree_masks: Optional[list[Optional[list[int]]]] = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # (slots, KVH, hd); int8: (pages, KVH, hd + 4, page_size) bytes
     ) -> torch.Tensor:  # (T, H * hd) in qkv's dtype
         """Rotate q and k, write this step's keys/values into the cache, attend each query
-        causally over its sequence's cached keys."""
+        causally over its sequence's cached keys (a draft tree's tokens: over their ancestors)."""
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

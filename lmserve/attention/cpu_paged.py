@@ -23,7 +23,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 
 def _library() -> Optional[ctypes.CDLL]:
     lib = load_kernel_library(
-        "paged_attention", {"lm_paged_attention": [_P] * 11 + [_I] * 5 + [ctypes.c_float, _I, _I],
+        "paged_attention", {"lm_paged_attention": [_P] * 13 + [_I] * 5 + [ctypes.c_float, _I, _I],
                             "lm_paged_attention_int8_kv": []})
     if lib is not None:  # (load_kernel_library's functions return nothing; this one answers)
         lib.lm_paged_attention_int8_kv.restype = ctypes.c_int
@@ -54,7 +54,8 @@ def _dtype_flags(io_dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
 
 
 # A step's attention inputs shared by every layer's call (see packed_call).
-_META_SLOTS = tuple(Slot(f"attention.{name}") for name in ("cos", "sin", "slots", "pages", "page_offset", "context"))
+_META_SLOTS = tuple(Slot(f"attention.{name}") for name in (
+    "cos", "sin", "slots", "pages", "page_offset", "context", "tree_start", "tree_bits"))
 _PAGE_SIZE = Slot("attention.page_size")
 
 
@@ -65,6 +66,11 @@ class PagedMeta:
     page_offset: torch.Tensor  # (T,) int64 where each token's sequence table starts in `pages`
     context: torch.Tensor  # (T,) int32 keys each token attends (its position + 1)
     page_size: int
+    # Draft trees (None when the step has none): (T,) int32 the cache position of each tree
+    # token's first step token (-1 for other tokens), and (T,) int64 its attended step tokens'
+    # bits (``AttentionInput.tree_masks``, as two's complement).
+    tree_start: Optional[torch.Tensor] = None
+    tree_bits: Optional[torch.Tensor] = None
 
 
 @register_backend("cpu_paged")
@@ -84,20 +90,35 @@ class CpuPagedBackend(AttentionBackend):
         pages: list[int] = []
         offsets: list[int] = []
         context: list[int] = []
-        for qlen, ctx, table in zip(inp.query_lens, inp.context_lens, inp.page_tables):
+        tree_start: list[int] = []
+        tree_bits: list[int] = []
+        trees = inp.tree_masks or [None] * len(inp.query_lens)
+        for qlen, ctx, table, masks in zip(inp.query_lens, inp.context_lens, inp.page_tables, trees):
             used = table[: -(-ctx // page_size)]
             offsets += [len(pages)] * qlen
-            for pos in range(ctx - qlen, ctx):
+            start = ctx - qlen
+            for pos in range(start, ctx):
                 slots.append(used[pos // page_size] * page_size + pos % page_size)
-                context.append(pos + 1)
+            if masks is None:
+                context += range(start + 1, ctx + 1)
+                tree_start += [-1] * qlen
+                tree_bits += [0] * qlen
+            else:  # the keys of the chain of its ancestors (see paged_attention.cpp)
+                context += [start + m.bit_count() for m in masks]
+                tree_start += [start] * qlen
+                tree_bits += [m - (1 << 64) if m >> 63 else m for m in masks]
             pages += used
-        return PagedMeta(
+        meta = PagedMeta(
             slots=torch.tensor(slots, dtype=torch.int64),
             pages=torch.tensor(pages, dtype=torch.int32),
             page_offset=torch.tensor(offsets, dtype=torch.int64),
             context=torch.tensor(context, dtype=torch.int32),
             page_size=page_size,
         )
+        if inp.tree_masks is not None:
+            meta.tree_start = torch.tensor(tree_start, dtype=torch.int32)
+            meta.tree_bits = torch.tensor(tree_bits, dtype=torch.int64)
+        return meta
 
     def packed_call(self, qkv: Arg, dtype: torch.dtype, q_buf: Arg, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, out: Arg, tokens: Arg) -> list[Arg]:
@@ -113,8 +134,9 @@ class CpuPagedBackend(AttentionBackend):
     @staticmethod
     def call_values(meta: PagedMeta, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, int]:
         """The step's values of the slots in ``packed_call`` (cos and sin contiguous)."""
-        tensors = (cos, sin, meta.slots, meta.pages, meta.page_offset, meta.context)
-        values = {slot.name: t.data_ptr() for slot, t in zip(_META_SLOTS, tensors)}
+        tensors = (cos, sin, meta.slots, meta.pages, meta.page_offset, meta.context,
+                   meta.tree_start, meta.tree_bits)
+        values = {slot.name: 0 if t is None else t.data_ptr() for slot, t in zip(_META_SLOTS, tensors)}
         return values | {_PAGE_SIZE.name: meta.page_size}
 
     def forward(self, meta: PagedMeta, qkv, cos, sin, k_cache, v_cache):
@@ -128,6 +150,8 @@ class CpuPagedBackend(AttentionBackend):
         self.lib.lm_paged_attention(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slots.data_ptr(), q_buf.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), meta.pages.data_ptr(),
-            meta.page_offset.data_ptr(), meta.context.data_ptr(), out.data_ptr(),
+            meta.page_offset.data_ptr(), meta.context.data_ptr(),
+            0 if meta.tree_start is None else meta.tree_start.data_ptr(),
+            0 if meta.tree_bits is None else meta.tree_bits.data_ptr(), out.data_ptr(),
             T, H, KVH, hd, meta.page_size, self.shape.scale, flags, torch.get_num_threads())
         return out.to(dtype)

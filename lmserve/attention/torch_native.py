@@ -56,6 +56,15 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, page_size: int) -> t
     return out.view(*pages.shape[:-1], pages.shape[-1] * page_size, *cache.shape[1:])
 
 
+def _tree_mask(masks: list[int], start: int, num_keys: int) -> torch.Tensor:
+    """(len(masks), num_keys) True where a draft tree's token attends a step token's key (at
+    ``start`` + its index in the step)."""
+    bits = torch.tensor([[m >> j & 1 for j in range(len(masks))] for m in masks], dtype=torch.bool)
+    out = torch.zeros(len(masks), num_keys, dtype=torch.bool)
+    out[:, start : start + len(masks)] = bits
+    return out
+
+
 @register_backend("torch_native")
 class TorchNativeBackend(AttentionBackend):
     def prepare(self, inp: AttentionInput, page_size: int, device: torch.device) -> NativeMeta:
@@ -64,17 +73,22 @@ class TorchNativeBackend(AttentionBackend):
         decode_seqs: list[int] = []
         prefills: list[PrefillPart] = []
         start = 0
-        for i, (qlen, ctx, pages) in enumerate(zip(inp.query_lens, inp.context_lens, inp.page_tables)):
+        trees = inp.tree_masks or [None] * len(inp.query_lens)
+        for i, (qlen, ctx, pages, tree) in enumerate(
+                zip(inp.query_lens, inp.context_lens, inp.page_tables, trees)):
             slot_chunks.append(_new_slots(pages, ctx - qlen, ctx, page_size))
             if qlen == 1:
                 decode_tokens.append(start)
                 decode_seqs.append(i)
-            elif ctx == qlen:
+            elif ctx == qlen and tree is None:
                 prefills.append(PrefillPart(start, qlen, None, ctx, None))
-            else:  # a chunk after a cached prefix: causal with an offset
+            else:  # a chunk after a cached prefix: causal with an offset (or a tree's mask)
                 used = torch.tensor(pages[: -(-ctx // page_size)], device=device)
-                rows = torch.arange(ctx - qlen, ctx).unsqueeze(1)
-                mask = torch.arange(len(used) * page_size).unsqueeze(0) <= rows
+                keys = torch.arange(len(used) * page_size).unsqueeze(0)
+                if tree is None:
+                    mask = keys <= torch.arange(ctx - qlen, ctx).unsqueeze(1)
+                else:
+                    mask = (keys < ctx - qlen) | _tree_mask(tree, ctx - qlen, keys.shape[1])
                 prefills.append(PrefillPart(start, qlen, used, ctx, mask.to(device)))
             start += qlen
 

@@ -104,6 +104,8 @@ class KVCache:
         k_shape = (num_pages, num_kv_heads, k_dim, page_size) if keys_transposed else by_slot
         v_shape = (num_pages, num_kv_heads, v_dim, page_size) if dtype == torch.int8 else by_slot
         self.num_pages = num_pages
+        self.head_dim = head_dim
+        self.dtype = dtype
         self._buffers = [OnDemandBuffer(shape, dtype, device)
                          for _ in range(num_layers) for shape in (k_shape, v_shape)]
         self.k = [b.tensor for b in self._buffers[0::2]]
@@ -136,3 +138,39 @@ class KVCache:
                 if all(is_free(p) for p in range(end, min(-(-hi // page_bytes), self.num_pages))):
                     stop = hi
                 buffer.discard(start, stop)
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Copy the keys and values of slots ``src[i]`` to slots ``dst[i]`` in every layer (a
+        verified draft tree's path into the positions it now has); all are read before any is
+        written."""
+        if not src:
+            return
+        ps = self.page_size
+        s, d = torch.tensor(src), torch.tensor(dst)
+        sp, so, dp, do = s // ps, s % ps, d // ps, d % ps
+        for k, v in zip(self.k, self.v):
+            for t, views in ((k, self._key_views), (v, self._value_views)):
+                for view, by in views(t):
+                    if by == "slot":
+                        view[d] = view[s]
+                    elif by == "offset":  # (pages, KVH, ..., page_size, ...): a token's offset
+                        view[dp, :, ..., do, :] = view[sp, :, ..., so, :]
+                    else:  # "word": int8 values, 4 tokens' codes to a word (see the class doc)
+                        view[dp, :, do // 4, :, do % 4] = view[sp, :, so // 4, :, so % 4]
+
+    def _key_views(self, k: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
+        """Views of a key buffer in which one index picks a token (see ``move``)."""
+        if k.dim() == 3:
+            return [(k, "slot")]
+        if self.dtype == torch.int8:  # rows of 4 bytes per token
+            return [(k.view(*k.shape[:2], -1, self.page_size, 4), "offset")]
+        return [(k.unsqueeze(-1), "offset")]
+
+    def _value_views(self, v: torch.Tensor) -> list[tuple[torch.Tensor, str]]:
+        if v.dim() == 3:
+            return [(v, "slot")]
+        pages, heads, ps, d = v.shape[0], v.shape[1], self.page_size, self.head_dim
+        flat = v.view(pages, heads, -1)
+        codes = flat[:, :, : d * ps].view(pages, heads, ps // 4, d, 4)
+        scales = flat[:, :, d * ps :].view(pages, heads, ps, 4)
+        return [(codes, "word"), (scales, "offset")]

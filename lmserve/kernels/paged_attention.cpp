@@ -23,6 +23,15 @@
 //                 the 4 keys' codes of dimension d), then the values' float scales (extra = 4)
 //   page_off   (T,)                   int64 index into `pages` where the token's page list starts
 //   ctx        (T,)                   int32 keys the token sees (its position + 1)
+//   tree_start (T,) or null           int32 for a draft tree's token, the cache position of the
+//                                    tree's root (its step's first token); -1 for other tokens
+//   tree_bits  (T,) or null           uint64 the tree tokens the token attends, in cache order
+//                                    (bit j: the key at tree_start + j; its ancestors and itself)
+//
+// A draft tree's token at depth d sees the keys before its tree, then its ancestors and itself:
+// key positions tree_start + d' for d' <= d as the chain of those tokens would have them (ctx =
+// tree_start + d + 1), read from where the tree put them. Every operation of its row is then the
+// one its chain's row does, so a verified draft's output is bit-identical to decoding it.
 //   out        (T, H, D)              bf16 or fp32
 #include <omp.h>
 #include <string.h>
@@ -357,10 +366,13 @@ inline int64_t row_at(int r, int G, int H, int D) { return ((int64_t)(r / G) * H
 // [0, ctx[i])) and the G query heads sharing KV head `kvh`, key block by key block, through
 // copies of each block's keys and values shared by up to 16 rows (widened to float32, or an int8
 // cache's codes as the integer dot products read them).
+//
+// A draft tree's token comes alone (tokens = 1) with its tree's start (else -1) and bits: its key
+// positions from tree_start on are read from its ancestors' cache positions.
 template <int kDV, typename Cache, typename Out>
 void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages,
                   const int32_t* ctx, int tokens, int kvh, int G, int H, int KVH, int D,
-                  int page_size, float scale, Out* out) {
+                  int page_size, float scale, Out* out, int tree_start, uint64_t tree_bits) {
   const int R = tokens * G;
   float m[kMaxRows], l[kMaxRows];
   alignas(64) float acc[kMaxRows][kMaxD];
@@ -384,15 +396,27 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   }
   const int DV = kDV ? kDV : D / 16;  // compile-time for common head sizes: registers, unrolled
   const int n_keys = ctx[tokens - 1];  // the last token sees the most keys
+  int ancestor[64];  // a tree token's ancestors (and itself) as offsets from the tree's start
+  for (int i = 0, b = 0; b < 64; ++b)
+    if (tree_bits >> b & 1) ancestor[i++] = b;
   // Blocks are aligned to absolute key positions, so the order of every floating-point
   // operation of a row depends only on that row's context length.
   for (int start = 0; start < n_keys; start += 16) {
     const int n = std::min(16, n_keys - start);
-    // Copy the keys [start, start + n) run by run (a run lies in one page) and widen them.
-    int page = start / page_size, offset = start % page_size;
+    // Copy the keys [start, start + n) run by run (a run lies in one page) and widen them; a
+    // tree token's keys from its tree's start on are single runs from its ancestors' positions.
     for (int j = 0; j < n;) {
-      const int run = std::min(n - j, page_size - offset);
-      const int64_t page_id = pages[page];
+      int64_t at = start + j;  // cache position of key j
+      int run;
+      if (tree_start >= 0 && at >= tree_start) {
+        at = tree_start + ancestor[at - tree_start];
+        run = 1;
+      } else {
+        run = std::min(n - j, page_size - (int)(at % page_size));
+        if (tree_start >= 0) run = std::min(run, (int)(tree_start - at));
+      }
+      const int64_t page_id = pages[at / page_size];
+      const int offset = (int)(at % page_size);
       const Cache* kh = kc + (page_id * KVH + kvh) * k_head;
       const __mmask16 lanes = (__mmask16)((1u << run) - 1);
       if constexpr (kInt8) {
@@ -404,8 +428,13 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
         _mm512_mask_storeu_epi32(k_sums + j, lanes, _mm512_maskz_loadu_epi32(lanes, rows + (int64_t)(D / 4 + 1) * page_size));
         // Values: rows of D words (one per 4 keys: a run holds whole rows), then scales.
         const Cache* vh = vc + (page_id * KVH + kvh) * v_head;
-        for (int g = 0; g < (run + 3) / 4; ++g)
-          memcpy(vq[j / 4 + g], vh + (int64_t)(offset + 4 * g) * D, sizeof(uint32_t) * D);
+        if (!(tree_start >= 0 && start + j >= tree_start)) {  // runs start at a row (4 keys)
+          for (int g = 0; g < (run + 3) / 4; ++g)
+            memcpy(vq[j / 4 + g], vh + (int64_t)(offset + 4 * g) * D, sizeof(uint32_t) * D);
+        } else {  // a tree's key: its byte of its row's words into lane j's byte, one by one
+          const Cache* row = vh + (int64_t)(offset / 4) * 4 * D;
+          for (int d = 0; d < D; ++d) ((Cache*)vq[j / 4])[4 * d + j % 4] = row[4 * d + offset % 4];
+        }
         memcpy(v_scales + j, vh + (int64_t)D * page_size + 4 * offset, sizeof(float) * run);
       } else {
         for (int d = 0; d < D; ++d)
@@ -416,8 +445,6 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
         }
       }
       j += run;
-      offset += run;
-      if (offset == page_size) offset = 0, ++page;
     }
     if (n < 16) {  // keys past the end score zero (then masked), never garbage
       const __mmask16 past = (__mmask16)(0xffffu << n);
@@ -624,15 +651,19 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
 
 template <typename Cache, typename Out>
 void attention(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages,
-               const int64_t* page_off, const int32_t* ctx, Out* out, int T, int H, int KVH, int D,
-               int page_size, float scale) {
+               const int64_t* page_off, const int32_t* ctx, const int32_t* tree_start,
+               const uint64_t* tree_bits, Out* out, int T, int H, int KVH, int D, int page_size,
+               float scale) {
   const int G = H / KVH;
   const int max_tokens = std::max(1, kMaxRows / G);
-  // Groups of consecutive tokens of one sequence (a prefill chunk), each token one more key.
+  auto in_tree = [&](int t) { return tree_start && tree_start[t] >= 0; };
+  // Groups of consecutive tokens of one sequence (a prefill chunk), each token one more key; a
+  // draft tree's token alone.
   std::vector<int> group_start;
   for (int t = 0; t < T; ++t) {
     const int s = group_start.empty() ? -1 : group_start.back();
-    if (s < 0 || t - s >= max_tokens || page_off[t] != page_off[s] || ctx[t] != ctx[t - 1] + 1)
+    if (s < 0 || t - s >= max_tokens || page_off[t] != page_off[s] || ctx[t] != ctx[t - 1] + 1 ||
+        in_tree(t) || in_tree(s))
       group_start.push_back(t);
   }
   const int groups = (int)group_start.size();
@@ -643,9 +674,16 @@ void attention(const float* q, const Cache* kc, const Cache* vc, const int32_t* 
                : D == 128 ? attend_direct<8, Cache, Out> : attend_direct<0, Cache, Out>;
   auto attend = [&](int i, int kvh) {
     const int t = group_start[i], n = group_start[i + 1] - t;
-    (n * G <= 4 && page_size % 16 == 0 ? direct : group)(
-        q + ((int64_t)t * H + kvh * G) * D, kc, vc, pages + page_off[t], ctx + t, n, kvh, G, H,
-        KVH, D, page_size, scale, out + ((int64_t)t * H + kvh * G) * D);
+    const float* qt = q + ((int64_t)t * H + kvh * G) * D;
+    Out* ot = out + ((int64_t)t * H + kvh * G) * D;
+    if (in_tree(t))
+      group(qt, kc, vc, pages + page_off[t], ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot,
+            tree_start[t], tree_bits[t]);
+    else if (n * G <= 4 && page_size % 16 == 0)
+      direct(qt, kc, vc, pages + page_off[t], ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot);
+    else
+      group(qt, kc, vc, pages + page_off[t], ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot,
+            -1, 0);
   };
   // Rows are independent, so how they are grouped or spread over threads cannot change them.
   // With enough groups a thread takes all KV heads of one: it then reads each page's keys and
@@ -665,15 +703,16 @@ void attention(const float* q, const Cache* kc, const Cache* vc, const int32_t* 
 template <typename QKV, typename Cache, typename Out>
 void run(const void* qkv, const float* cos, const float* sin, const int64_t* slots, float* q_buf,
          void* kc, void* vc, const int32_t* pages, const int64_t* page_off, const int32_t* ctx,
-         void* out, int T, int H, int KVH, int D, int page_size, float scale) {
+         const int32_t* tree_start, const uint64_t* tree_bits, void* out, int T, int H, int KVH,
+         int D, int page_size, float scale) {
   // One parallel region for both (each thread finds the same groups): a region's start and end
   // cost more than the barrier between its loops.
 #pragma omp parallel
   {
     rope_and_store((const QKV*)qkv, cos, sin, slots, q_buf, (Cache*)kc, (Cache*)vc, T, H, KVH, D,
                    page_size);
-    attention(q_buf, (const Cache*)kc, (const Cache*)vc, pages, page_off, ctx, (Out*)out, T, H,
-              KVH, D, page_size, scale);
+    attention(q_buf, (const Cache*)kc, (const Cache*)vc, pages, page_off, ctx, tree_start,
+              tree_bits, (Out*)out, T, H, KVH, D, page_size, scale);
   }
 }
 
@@ -692,15 +731,17 @@ int lm_paged_attention_int8_kv() {
 
 // flags: bit 0 = qkv is bf16, bit 1 = caches are bf16, bit 2 = out is bf16 (else fp32), bit 4 =
 // caches are int8 (with scales; bit 1 clear).
+// tree_start and tree_bits: null when no token of the step belongs to a draft tree.
 void lm_paged_attention(const void* qkv, const float* cos, const float* sin, const int64_t* slots,
                         float* q_buf, void* kc, void* vc, const int32_t* pages,
-                        const int64_t* page_off, const int32_t* ctx, void* out, int T, int H,
-                        int KVH, int D, int page_size, float scale, int flags, int threads) {
+                        const int64_t* page_off, const int32_t* ctx, const int32_t* tree_start,
+                        const uint64_t* tree_bits, void* out, int T, int H, int KVH, int D,
+                        int page_size, float scale, int flags, int threads) {
   omp_set_num_threads(threads);
-#define LM_CASE(bits, A, B, C)                                                                   \
-  case bits:                                                                                     \
-    run<A, B, C>(qkv, cos, sin, slots, q_buf, kc, vc, pages, page_off, ctx, out, T, H, KVH, D, \
-                 page_size, scale);                                                              \
+#define LM_CASE(bits, A, B, C)                                                                  \
+  case bits:                                                                                    \
+    run<A, B, C>(qkv, cos, sin, slots, q_buf, kc, vc, pages, page_off, ctx, tree_start,         \
+                 tree_bits, out, T, H, KVH, D, page_size, scale);                               \
     break;
   switch (flags) {
     LM_CASE(0, float, float, float)
@@ -725,8 +766,8 @@ void lm_paged_attention(const void* qkv, const float* cos, const float* sin, con
 void lm_paged_attention_packed(const int64_t* a) {
   lm_paged_attention((const void*)a[0], (const float*)a[1], (const float*)a[2], (const int64_t*)a[3],
                      (float*)a[4], (void*)a[5], (void*)a[6], (const int32_t*)a[7],
-                     (const int64_t*)a[8], (const int32_t*)a[9], (void*)a[10], (int)a[11],
-                     (int)a[12], (int)a[13], (int)a[14], (int)a[15], word_to_f32(a[16]), (int)a[17],
-                     (int)a[18]);
+                     (const int64_t*)a[8], (const int32_t*)a[9], (const int32_t*)a[10],
+                     (const uint64_t*)a[11], (void*)a[12], (int)a[13], (int)a[14], (int)a[15],
+                     (int)a[16], (int)a[17], word_to_f32(a[18]), (int)a[19], (int)a[20]);
 }
 }
