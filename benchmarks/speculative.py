@@ -3,7 +3,8 @@
 Input-grounded prompts (rewrite, extract from or edit a given text or code: what prompt lookup
 is for) and plain chat prompts, each sent ``--concurrency`` at a time (greedy, fixed output
 length), to engines with speculation off, the drafter (``--mode``) with fixed draft lengths, and
-with the adaptive length (spec_draft_length=0). ``--mode small_draft`` drafts with the built-in
+with the adaptive length (spec_draft_length=0), each as a chain or as trees (``--widths``,
+spec_tree_width). ``--mode small_draft`` drafts with the built-in
 model itself at the draft's level (O3 by default) for a target at ``--opt`` (e.g. O0: the exact
 reference output at a quantized model's speed). Rounds are interleaved (every engine once per round) and
 the median of the rounds is reported: output tokens per second and the ratio to speculation off,
@@ -11,7 +12,7 @@ with the acceptance (accepted drafts / drafts) and the mean tokens per verify st
 engine's output is checked to be token for token the output with speculation off.
 
     .venv/bin/python benchmarks/speculative.py [--mode ngram|small_draft] [--rounds 3] \
-        [--concurrency 1 4 16] [--lengths 0 2 4 8] [--opt O2] [--max-tokens 96]
+        [--concurrency 1 4 16] [--lengths 0 2 4 8] [--widths 1 3] [--opt O2] [--max-tokens 96]
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--lengths", type=int, nargs="+", default=[0, 2, 4, 8],
                     help="draft lengths to run (0 = adaptive)")
+    ap.add_argument("--widths", type=int, nargs="+", default=[1],
+                    help="tree widths to run each length with (1 = a chain)")
     ap.add_argument("--opt", default=None)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--workloads", nargs="+", default=["grounded", "chat"])
@@ -109,9 +112,9 @@ def main() -> None:
 
     draft = {"additional_models": [builtin_model_path()]} if args.mode == "small_draft" else {}
     configs = {"off": {}} | {
-        (f"{args.mode} k={k}" if k else f"{args.mode} adaptive"):
-            dict(speculative_mode=args.mode, spec_draft_length=k, **draft)
-        for k in args.lengths
+        (f"{args.mode} k={k}" if k else f"{args.mode} adaptive") + (f" w={w}" if w > 1 else ""):
+            dict(speculative_mode=args.mode, spec_draft_length=k, spec_tree_width=w, **draft)
+        for k in args.lengths for w in args.widths
     }
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")

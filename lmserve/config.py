@@ -381,6 +381,18 @@ def _check_combinations(c: EngineConfig) -> None:
             f"speculative_mode={c.speculative_mode!r} needs its draft model or heads in "
             f"additional_models, got additional_models=[]"
         )
+    if c.speculative_mode != "disable":
+        from lmserve.spec.adaptive import MAX_ADAPTIVE_K
+        from lmserve.spec.tree import MAX_TREE_TOKENS
+
+        k = c.spec_draft_length or MAX_ADAPTIVE_K
+        if k * c.spec_tree_width >= MAX_TREE_TOKENS:
+            length = (f"spec_draft_length={c.spec_draft_length}" if c.spec_draft_length else
+                      f"spec_draft_length=0 (adaptive, up to {MAX_ADAPTIVE_K})")
+            raise ValueError(
+                f"{length} times spec_tree_width={c.spec_tree_width} is {k * c.spec_tree_width} "
+                f"draft tokens per sequence and step; at most {MAX_TREE_TOKENS - 1} are verified "
+                f"at once")
     if c.speculative_mode == "disable":
         for name, default in (("spec_draft_length", 0), ("spec_tree_width", 1)):
             if getattr(c, name) != default:

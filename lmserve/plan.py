@@ -132,7 +132,8 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     def step_workspace(batch: int, chunk: int, single: int) -> int:
         # Verifying drafts wants a logit row per draft too, within the step's tokens.
         speculating = config.speculative_mode != "disable"
-        max_drafts = (config.spec_draft_length or MAX_ADAPTIVE_K) if speculating else 0
+        max_drafts = ((config.spec_draft_length or MAX_ADAPTIVE_K) * config.spec_tree_width
+                      if speculating else 0)
         rows = min(max(chunk, batch), batch * (1 + max_drafts))
         # The draft's passes and the target's run one after the other.
         return max(workspace_bytes(a, batch, chunk, single, _kv_per_token(a, d),
@@ -185,6 +186,9 @@ def _speculative(config: EngineConfig, models: list[tuple[ModelArgs, OptFlags]])
         return "off"
     k = config.spec_draft_length
     length = f"{k} draft tokens" if k else f"adaptive, 0-{MAX_ADAPTIVE_K} draft tokens"
+    if config.spec_tree_width > 1:
+        length = (f"a tree of {config.spec_tree_width} candidates per depth, "
+                  f"{length.replace('draft tokens', 'deep')}")
     mode = config.speculative_mode
     if len(models) > 1:
         draft, draft_opt = models[1]

@@ -38,13 +38,15 @@ class ModelRunner:
         rows: list[int] = []  # flat index of each token whose logits are wanted
         for s in step.seqs:
             input_ids += s.token_ids
-            positions += range(s.start, s.context_len)
+            positions += s.positions()
             rows += range(len(input_ids) - s.num_logits, len(input_ids))
 
+        trees = [s.tree_masks() for s in step.seqs]
         attn_in = AttentionInput(
             query_lens=[len(s.token_ids) for s in step.seqs],
             context_lens=[s.context_len for s in step.seqs],
             page_tables=[s.page_table for s in step.seqs],
+            tree_masks=trees if any(t is not None for t in trees) else None,
         )
         pos = torch.tensor(positions, device=self.device)
         cos, sin = self.rotary.lookup(pos)
@@ -62,3 +64,7 @@ class ModelRunner:
         if not rows:
             return hidden.new_empty((0, 0))
         return self.model.logits(hidden[torch.tensor(rows, device=self.device)])  # (R, V)
+
+    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Move KV between cache slots (a verified draft tree's path into place)."""
+        self.kv.move(src_slots, dst_slots)

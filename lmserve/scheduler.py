@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from lmserve.cache.manager import KVCacheManager
 from lmserve.request import Sequence, SeqStatus
+from lmserve.spec.tree import DraftTree, num_in_place
 from lmserve.step import SeqStep, StepInput
 
 
@@ -36,17 +37,32 @@ class ScheduledChunk:
     samples: bool  # the chunk reaches the sequence's last token, so a new token is sampled
     decode: bool  # the sequence was decoding (Sequence.is_decoding), not prefilling
     num_lookahead: int = 0  # draft slots reserved (pages allocated) for this step
-    draft_token_ids: list[int] = field(default_factory=list)  # filled by the drafter
-    num_accepted: int = 0  # drafts the target verified, set before ``Scheduler.update``
+    draft: DraftTree = field(default_factory=DraftTree)  # at most num_lookahead nodes, drafted
+    accepted: list[int] = field(default_factory=list)  # the draft nodes the target verified
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
 
     def seq_step(self) -> SeqStep:
-        """The chunk as plain data: its tokens then its drafts, a logit row for each token
-        sampled (the newest token's and one per draft)."""
+        """The chunk as plain data: its tokens then its drafts (with the tree's shape unless
+        they are a chain), a logit row for each token sampled (the newest token's and one per
+        draft)."""
         start = self.seq.num_computed
         tokens = self.seq.token_ids[start : start + self.num_tokens]
-        return SeqStep(start=start, token_ids=tokens + self.draft_token_ids,
+        n = self.num_tokens
+        tree = None if self.draft.is_chain else list(range(-1, n - 1)) + [
+            n + p for p in self.draft.parents]
+        return SeqStep(start=start, token_ids=tokens + self.draft.token_ids,
                        page_table=list(self.seq.pages),
-                       num_logits=1 + len(self.draft_token_ids) if self.samples else 0)
+                       num_logits=1 + len(self.draft) if self.samples else 0, tree_parents=tree)
+
+    def accepted_moves(self) -> list[tuple[int, int]]:
+        """Positions (from, to) that put the accepted path's KV at the positions of its depths
+        (a draft node's KV is in the step's slot of its index)."""
+        first = self.seq.num_computed + self.num_tokens  # the position of depth 1
+        return [(first + node, first + depth) for depth, node in enumerate(self.accepted)
+                if node != depth]
 
 
 @dataclass
@@ -141,6 +157,10 @@ class Scheduler:
             seq = c.seq
             if seq.status is SeqStatus.FINISHED:
                 continue  # aborted while its output was processed; its pages are free
+            # A draft model's KV holds the draft nodes it ran at their step slots: valid for
+            # the accepted nodes that did not move.
+            seq.num_draft_computed = min(
+                seq.num_draft_computed, seq.num_computed + c.num_tokens + num_in_place(c.accepted))
             # The accepted drafts have KV; a stop inside the accepted run may have cut the tokens.
             seq.num_computed = min(seq.num_computed + c.num_tokens + c.num_accepted,
                                    len(seq.token_ids))

@@ -8,6 +8,7 @@ tensor-parallel rank will receive, and it already says everything speculative de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -18,10 +19,36 @@ class SeqStep:
     token_ids: list[int]  # the tokens to run: a prompt chunk, or the newest token (then drafts)
     page_table: list[int]  # KV pages of positions [0, start + len(token_ids)), in order
     num_logits: int  # logit rows wanted, for the last num_logits tokens (0: none)
+    # A draft tree (speculative decoding): each token's parent as its index in token_ids (-1:
+    # the cached context), parents first; a token's position is then start + its depth. None: a
+    # chain (token i at start + i).
+    tree_parents: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_logits <= len(self.token_ids):
             raise ValueError(f"num_logits must be in 0..{len(self.token_ids)}, got {self.num_logits}")
+        if self.tree_parents is not None and (
+                len(self.tree_parents) != len(self.token_ids)
+                or any(not -1 <= p < i for i, p in enumerate(self.tree_parents))):
+            raise ValueError(f"tree_parents must give each of the {len(self.token_ids)} tokens an "
+                             f"earlier token or -1, got {self.tree_parents}")
+
+    def tree_masks(self) -> Optional[list[int]]:
+        """Per token, the bits of the step's tokens it attends (its ancestors and itself); None
+        for a chain (see ``AttentionInput``)."""
+        if self.tree_parents is None:
+            return None
+        masks: list[int] = []
+        for i, p in enumerate(self.tree_parents):
+            masks.append((masks[p] if p >= 0 else 0) | 1 << i)
+        return masks
+
+    def positions(self) -> list[int]:
+        """Each token's position: ``start`` plus its depth below the cached context."""
+        masks = self.tree_masks()
+        if masks is None:
+            return list(range(self.start, self.context_len))
+        return [self.start + m.bit_count() - 1 for m in masks]
 
     @property
     def context_len(self) -> int:

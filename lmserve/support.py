@@ -22,7 +22,6 @@ _NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("kv_state_kind", lambda v: v == "rnn_state", "recurrent-state models"),
     ("speculative_mode", lambda v: v in ("eagle", "medusa"),
      "EAGLE and Medusa speculative decoding"),
-    ("spec_tree_width", lambda v: v != 1, "draft trees (speculative decoding)"),
     ("additional_models", lambda v: any(isinstance(m, tuple) for m in v),
      "compiled libraries of additional models (model_lib)"),
 )

@@ -143,6 +143,11 @@ BAD_VALUES = [
     ({"spec_tree_width": 0}, ValueError, "0"),
     ({"spec_draft_length": 4}, ValueError, "4"),  # speculation is off: it would do nothing
     ({"spec_tree_width": 2}, ValueError, "2"),
+    # a tree too large to verify: 16 deep, 4 wide; adaptive (up to 8 deep), 8 wide
+    ({"spec_tree_width": 4, "speculative_mode": "ngram", "spec_draft_length": 16}, ValueError,
+     "spec_draft_length=16 times spec_tree_width=4 is 64"),
+    ({"spec_tree_width": 8, "speculative_mode": "ngram"}, ValueError,
+     "spec_draft_length=0 (adaptive, up to 8) times spec_tree_width=8 is 64"),
     ({"prefix_cache_mode": "lru"}, ValueError, "'lru'"),
     ({"prefix_cache_max_num_recycling_seqs": -2}, ValueError, "-2"),
     ({"prefill_mode": "split"}, ValueError, "'split'"),
@@ -295,6 +300,7 @@ def test_default_config_is_supported():
         {"max_num_sequence": 8, "max_total_sequence_length": 4096, "prefill_chunk_size": 256},
         {"speculative_mode": "ngram"},
         {"speculative_mode": "ngram", "spec_draft_length": 5},
+        {"speculative_mode": "ngram", "spec_draft_length": 4, "spec_tree_width": 3},
     ],
 )
 def test_built_features_are_supported(kwargs):
@@ -310,7 +316,6 @@ UNBUILT = [
     ({"max_history_size": 1}, "max_history_size"),
     ({"kv_state_kind": "rnn_state"}, "kv_state_kind"),
     ({"speculative_mode": "eagle", "additional_models": ["d"]}, "speculative_mode"),
-    ({"speculative_mode": "ngram", "spec_tree_width": 2}, "spec_tree_width"),
     ({"speculative_mode": "small_draft", "additional_models": [("d", "d.so")]}, "additional_models"),
 ]
 

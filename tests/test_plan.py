@@ -1,5 +1,7 @@
 """make_plan: mode presets, explicit overrides, page count, refusals; the start-up table."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -224,8 +226,6 @@ def test_plan_command_reports_an_impossible_plan(capsys):
 
 
 def test_a_draft_model_shares_the_budget_and_its_context_bounds_the_sequence():
-    import dataclasses
-
     target, draft = _args(2048), dataclasses.replace(_args(1024), num_layers=1)
     config = EngineConfig(mode="server", speculative_mode="small_draft", additional_models=["d"],
                           opt="O0;draft_opt=O3", max_single_sequence_length=1024)
@@ -244,3 +244,15 @@ def test_a_draft_model_shares_the_budget_and_its_context_bounds_the_sequence():
     with pytest.raises(ValueError, match="context window of the model or its draft model of 1024"):
         make_plan(dataclasses.replace(config, max_single_sequence_length=2048), target,
                   device_memory=4 * GiB, draft_args=draft)
+
+
+def test_a_draft_tree_is_shown_and_its_rows_counted_in_the_workspace():
+    """A tree verifies depth x width draft tokens per sequence: the logit rows of the workspace
+    count them all (a chain of the same depth asks fewer)."""
+    args = _args(2048)
+    chain = EngineConfig(mode="interactive", speculative_mode="ngram", spec_draft_length=4)
+    tree = dataclasses.replace(chain, spec_tree_width=3)
+    plans = [make_plan(c, args, device_memory=4 * GiB) for c in (chain, tree)]
+    assert plans[1].speculative == ("ngram, a tree of 3 candidates per depth, 4 deep per "
+                                    "sequence and step")
+    assert plans[0].memory.workspace < plans[1].memory.workspace

@@ -22,7 +22,7 @@ from lmserve.request import Request, Sequence
 from lmserve.scheduler import Scheduler
 from lmserve.spec.adaptive import AdaptiveDraftLength
 from lmserve.spec.ngram import propose_ngram
-from lmserve.spec.speculator import num_accepted
+from lmserve.spec.tree import DraftTree, num_in_place
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 TEXTS = [
@@ -55,23 +55,50 @@ def reference(builtin_engine, prompts) -> list[list[int]]:
 
 # -- the parts, without a model -------------------------------------------------------------------
 
+def chain(tree: DraftTree) -> list[int]:
+    assert tree.is_chain
+    return tree.token_ids
+
+
 def test_prompt_lookup_takes_what_followed_the_latest_longest_match():
     tokens = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
     # Suffix [2, 3] (no earlier [5, 2, 3]); its latest earlier occurrence is at 5, followed by 7, 8.
-    assert propose_ngram(tokens, 3, min_n=2, max_n=3) == [7, 8, 5]
-    assert propose_ngram(tokens, 1, min_n=2, max_n=3) == [7]
+    assert chain(propose_ngram(tokens, 3, min_n=2, max_n=3)) == [7, 8, 5]
+    assert chain(propose_ngram(tokens, 1, min_n=2, max_n=3)) == [7]
     # A longer suffix wins over a later shorter one: [1, 2, 3] at 0 and 4, then 3-grams.
     tokens = np.array([4, 1, 2, 3, 6, 0, 2, 3, 5, 1, 2, 3])
-    assert propose_ngram(tokens, 2, min_n=2, max_n=3) == [6, 0]
-    assert propose_ngram(np.array([1, 2, 3, 4]), 2, min_n=2, max_n=3) == []  # nothing recurs
-    assert propose_ngram(np.array([7, 7, 7]), 4, min_n=1, max_n=2) == [7]  # an overlapping match
+    assert chain(propose_ngram(tokens, 2, min_n=2, max_n=3)) == [6, 0]
+    assert chain(propose_ngram(np.array([1, 2, 3, 4]), 2, min_n=2, max_n=3)) == []  # nothing recurs
+    assert chain(propose_ngram(np.array([7, 7, 7]), 4, min_n=1, max_n=2)) == [7]  # overlapping
 
 
-def test_acceptance_is_the_longest_prefix_equal_to_the_targets_tokens():
-    assert num_accepted([5, 6, 7], [5, 6, 7, 8]) == 3
-    assert num_accepted([5, 6, 7], [5, 9, 7, 8]) == 1
-    assert num_accepted([5, 6, 7], [4, 6, 7, 8]) == 0
-    assert num_accepted([], [4]) == 0
+def test_prompt_lookup_tree_holds_the_best_different_continuations():
+    # [2, 3] occurs at 1 (then 9, 4), at 5 (then 7, 8), at 10 (then 7, 6) and ends the tokens.
+    tokens = np.array([1, 2, 3, 9, 4, 2, 3, 7, 8, 0, 2, 3, 7, 6, 5, 2, 3])
+    tree = propose_ngram(tokens, 2, min_n=2, max_n=3, width=3)
+    # Latest first (the main chain 7, 6), then 7, 8 shares its 7, then 9, 4.
+    assert tree.token_ids == [7, 6, 8, 9, 4]
+    assert tree.parents == [-1, 0, 0, -1, 3]
+    assert propose_ngram(tokens, 2, min_n=2, max_n=3, width=2).token_ids == [7, 6, 8]
+    # The truncation the scheduler's slots ask for keeps parents before children.
+    small = tree.truncated(max_nodes=4, max_depth=1)
+    assert (small.token_ids, small.parents) == ([7, 9], [-1, -1])
+
+
+def test_acceptance_follows_the_targets_samples_down_the_tree():
+    assert DraftTree.chain([5, 6, 7]).accept([5, 6, 7, 8]) == [0, 1, 2]
+    assert DraftTree.chain([5, 6, 7]).accept([5, 9, 7, 8]) == [0]
+    assert DraftTree.chain([5, 6, 7]).accept([4, 6, 7, 8]) == []
+    assert DraftTree().accept([4]) == []
+    # The best candidates' chain 5, 6, 7 with 8 beside 5 and 9 beside 6.
+    tree = DraftTree.from_candidates([[5, 8], [6, 9], [7]], max_nodes=5)
+    assert (tree.token_ids, tree.parents) == ([5, 6, 7, 8, 9], [-1, 0, 1, -1, 0])
+    # rows: after the newest token, after each node in order
+    assert tree.accept([5, 9, 0, 0, 0, 0]) == [0, 4]
+    assert tree.accept([8, 0, 0, 0, 1, 0]) == [3]
+    assert tree.accept([5, 6, 7, 3, 0, 0]) == [0, 1, 2]
+    assert num_in_place([0, 4]) == 1 and num_in_place([3]) == 0 and num_in_place([0, 1]) == 2
+    assert DraftTree.from_candidates([[5, 8], [6, 9]], max_nodes=3).token_ids == [5, 6, 8]
 
 
 def test_the_scheduler_reserves_draft_slots_and_update_rolls_back_the_rejected():
@@ -88,10 +115,10 @@ def test_the_scheduler_reserves_draft_slots_and_update_rolls_back_the_rejected()
     chunk = batch.chunks[0]
     # The newest token at position 7 and 3 draft slots: positions 7..10, a third page.
     assert (chunk.num_tokens, chunk.num_lookahead, a.pages) == (1, 3, [0, 1, 2])
-    chunk.draft_token_ids = [101, 102, 103]
+    chunk.draft = DraftTree.chain([101, 102, 103])
     assert batch.step_input().seqs[0].token_ids == [100, 101, 102, 103]
     assert batch.step_input().seqs[0].num_logits == 4
-    chunk.num_accepted = 0  # the first draft was rejected: the target's token comes instead
+    chunk.accepted = []  # the first draft was rejected: the target's token comes instead
     a.token_ids.append(55)
     s.update(batch)
     assert a.num_computed == 8 and a.pages == [0, 1] and pool.num_free == 6
@@ -149,10 +176,26 @@ def test_the_adaptive_length_climbs_to_the_best_length_and_off_when_drafts_do_no
 
 # -- the engine: output identical to speculation off ---------------------------------------------
 
+def count_tree_moves(engine: Engine) -> list[int]:
+    """The KV moves of accepted tree paths (one entry per step that moved some), as they come."""
+    runner, moves = engine._core.runner, []
+    move = runner.move_kv
+
+    def counting(src: list[int], dst: list[int]) -> None:
+        if src:
+            moves.append(len(src))
+        move(src, dst)
+
+    runner.move_kv = counting
+    return moves
+
+
+@pytest.mark.parametrize("width", [1, 3])
 @pytest.mark.parametrize("k", [1, 4, 0])
-def test_ngram_output_is_identical_alone_and_in_company(prompts, reference, k):
+def test_ngram_output_is_identical_alone_and_in_company(prompts, reference, k, width):
     engine = Engine(max_num_sequence=8, verbose=False, speculative_mode="ngram",
-                    spec_draft_length=k)
+                    spec_draft_length=k, spec_tree_width=width)
+    moves = count_tree_moves(engine)
     try:
         assert [generate_tokens(engine, p, GREEDY) for p in prompts] == reference
         assert run_concurrently(engine, prompts, GREEDY) == reference
@@ -160,19 +203,23 @@ def test_ngram_output_is_identical_alone_and_in_company(prompts, reference, k):
         # Drafts were both accepted and rejected, so both paths ran.
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
         assert stats.spec_accepted_per_pos[0] > 0
+        # With trees, paths off the main chain were accepted (their KV moved into place).
+        assert bool(moves) == (width > 1)
         wait_idle(engine)
         assert engine.kv_pages_in_use() == 0
     finally:
         engine.shutdown()
 
 
+@pytest.mark.parametrize("width", [1, 3])
 @pytest.mark.parametrize("opt", ["O0", "O1", "O3", "O2;act_dtype=float32;kv_dtype=float32"])
-def test_ngram_output_is_identical_at_every_level(prompts, opt):
-    """A verify step runs several tokens of a sequence where plain decoding runs one: every
-    level computes a token's row the same way either way."""
+def test_ngram_output_is_identical_at_every_level(prompts, opt, width):
+    """A verify step runs several tokens of a sequence where plain decoding runs one (a draft
+    tree's tokens each over its own ancestors): every level computes a token's row the same way
+    either way."""
     plain = Engine(opt=opt, max_num_sequence=4, verbose=False)
     spec = Engine(opt=opt, max_num_sequence=4, verbose=False, speculative_mode="ngram",
-                  spec_draft_length=4)
+                  spec_draft_length=4, spec_tree_width=width)
     try:
         want = run_concurrently(plain, prompts[:4], GREEDY)
         assert run_concurrently(spec, prompts[:4], GREEDY) == want
@@ -182,15 +229,16 @@ def test_ngram_output_is_identical_at_every_level(prompts, opt):
         spec.shutdown()
 
 
-@pytest.mark.parametrize("mode, prefill_mode", [("ngram", "hybrid"), ("ngram", "chunked"),
-                                               ("small_draft", "hybrid")])
+@pytest.mark.parametrize("mode, prefill_mode, width", [
+    ("ngram", "hybrid", 1), ("ngram", "chunked", 1), ("ngram", "chunked", 3),
+    ("small_draft", "hybrid", 1), ("small_draft", "hybrid", 3)])
 def test_speculation_under_preemption_and_the_prefix_cache_keeps_outputs_and_frees_pages(
-        prompts, reference, mode, prefill_mode):
+        prompts, reference, mode, prefill_mode, width):
     # 12 pages of 16 tokens for 7 prompts of about 80 tokens (+40): preemption is certain.
     draft = {"additional_models": [builtin_model_path()]} if mode == "small_draft" else {}
     engine = Engine(max_num_sequence=8, max_total_sequence_length=192, prefill_chunk_size=64,
                     prefill_mode=prefill_mode, speculative_mode=mode, spec_draft_length=3,
-                    verbose=False, **draft)
+                    spec_tree_width=width, verbose=False, **draft)
     try:
         assert run_concurrently(engine, prompts, GREEDY) == reference
         assert run_concurrently(engine, prompts, GREEDY) == reference  # now from the cache too
@@ -241,7 +289,8 @@ def test_stop_rules_logprobs_and_n_act_inside_an_accepted_run(builtin_engine, pr
         engine.shutdown()
 
 
-def test_seeded_sampling_draws_the_same_tokens_with_speculation(builtin_engine, prompts):
+@pytest.mark.parametrize("width", [1, 3])
+def test_seeded_sampling_draws_the_same_tokens_with_speculation(builtin_engine, prompts, width):
     """The sampling noise of a token depends on its seed and position only, and verification
     samples each drafted position from the target as if the drafts before it were accepted: so
     a seeded request gets the very tokens it gets without speculation (the strongest form of
@@ -254,7 +303,8 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(builtin_engine, 
         return [[(lp.token_id, round(lp.logprob, 3)) for o in engine.generate(prompts[i % 3], p)
                  for d in o.deltas for lp in d.logprobs] for i, p in enumerate(params)]
 
-    spec = Engine(max_num_sequence=8, verbose=False, speculative_mode="ngram", spec_draft_length=4)
+    spec = Engine(max_num_sequence=8, verbose=False, speculative_mode="ngram", spec_draft_length=4,
+                  spec_tree_width=width)
     try:
         assert outputs(spec) == outputs(builtin_engine)
         stats = spec.stats()
@@ -292,7 +342,7 @@ def test_unseeded_sampling_follows_the_targets_distribution(builtin_engine, prom
 
 def test_two_hundred_requests_aborted_at_random_points_leave_no_page(tiny_model_dir):
     engine = Engine(model=tiny_model_dir, max_num_sequence=16, verbose=False,
-                    speculative_mode="ngram", spec_draft_length=0)
+                    speculative_mode="ngram", spec_draft_length=0, spec_tree_width=3)
     rng = random.Random(0)
     try:
         streams = []
@@ -335,12 +385,15 @@ def _draft_engine(**kwargs) -> Engine:
                   additional_models=[builtin_model_path()], **kwargs)
 
 
+@pytest.mark.parametrize("width", [1, 3])
 @pytest.mark.parametrize("k", [3, 0])
 def test_a_draft_model_changes_no_output_alone_in_company_or_seeded(builtin_engine, prompts,
-                                                                    reference, k):
+                                                                    reference, k, width):
     """The built-in model (O2) verifying drafts from its own weights at the draft's default
-    level (O3): drafts mostly agree, sometimes not."""
-    engine = _draft_engine(max_num_sequence=8, spec_draft_length=k)
+    level (O3): drafts mostly agree, sometimes not (with a tree, the draft's second or third
+    choice is sometimes the target's)."""
+    engine = _draft_engine(max_num_sequence=8, spec_draft_length=k, spec_tree_width=width)
+    moves = count_tree_moves(engine)
     seeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=5, logprobs=1)
     try:
         assert [generate_tokens(engine, p, GREEDY) for p in prompts[:3]] == reference[:3]
@@ -349,6 +402,7 @@ def test_a_draft_model_changes_no_output_alone_in_company_or_seeded(builtin_engi
             generate_tokens(builtin_engine, prompts[1], seeded)
         stats = engine.stats()
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+        assert bool(moves) == (width > 1)
         wait_idle(engine)
         assert engine.kv_pages_in_use() == 0
     finally:

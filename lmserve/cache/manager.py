@@ -93,6 +93,10 @@ class KVCacheManager:
         seq.pages = []
         seq.num_computed = seq.num_draft_computed = 0
 
+    def slot(self, seq: Sequence, position: int) -> int:
+        """The KV cache slot of ``seq``'s token at ``position`` (it must have a page)."""
+        return seq.pages[position // self.page_size] * self.page_size + position % self.page_size
+
     def pages_held_by_sequences(self) -> int:
         """Pages some sequence holds (pages only the prefix cache holds do not count)."""
         cache_only = self.prefix_cache.evictable_pages() if self.prefix_cache else 0

@@ -23,7 +23,7 @@ from lmserve.protocol import InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.sampler import SampleResult, SamplingBatch, sample
 from lmserve.spec.draft_model import read_draft_model
-from lmserve.spec.speculator import SpecCounters, make_speculator, num_accepted
+from lmserve.spec.speculator import SpecCounters, make_speculator
 from lmserve.sampling_params import SamplingParams
 from lmserve.scheduler import Batch, Scheduler
 from lmserve.support import check_supported
@@ -186,7 +186,9 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.propose(batch)
         logits = self.runner.execute(batch.step_input())
-        outputs = self._append(self._sample(batch, logits))
+        new_tokens = self._sample(batch, logits)
+        self._move_accepted_kv(batch)
+        outputs = self._append(new_tokens)
         self.scheduler.update(batch)
         if self.speculator is not None:
             self.speculator.record(batch, time.perf_counter() - started)
@@ -211,9 +213,9 @@ class EngineCore:
         chunks = [c for c in batch.chunks if c.samples]
         if not chunks:
             return []
-        # (sequence, the drafts before the row's position)
-        rows = [(c.seq, c.draft_token_ids[:j])
-                for c in chunks for j in range(len(c.draft_token_ids) + 1)]
+        # (sequence, the drafts before the row's position: the path to its draft node)
+        rows = [(c.seq, [c.draft.token_ids[n] for n in c.draft.path(node)])
+                for c in chunks for node in range(-1, len(c.draft))]
         result = sample(logits, SamplingBatch.build(
             params=[seq.request.params for seq, _ in rows],
             generators=[_generator(seq.seed, len(seq.token_ids) + len(before))
@@ -227,14 +229,22 @@ class EngineCore:
         sampled = result.token_ids.tolist()
         new, row = [], 0
         for c in chunks:
-            c.num_accepted = num_accepted(c.draft_token_ids,
-                                          sampled[row : row + len(c.draft_token_ids) + 1])
-            kept = range(row, row + c.num_accepted + 1)
+            c.accepted = c.draft.accept(sampled[row : row + len(c.draft) + 1])
+            kept = [row] + [row + 1 + node for node in c.accepted]  # rows after each new token
             logprobs = [_logprob(result, r, c.seq.request.params) for r in kept]
             new.append(_NewTokens(c.seq, [sampled[r] for r in kept],
                                   None if logprobs[0] is None else logprobs))
-            row += len(c.draft_token_ids) + 1
+            row += len(c.draft) + 1
         return new
+
+    def _move_accepted_kv(self, batch: Batch) -> None:
+        """Put the KV of accepted draft-tree paths at the positions of their depths."""
+        src, dst = [], []
+        for c in batch.chunks:
+            for a, b in c.accepted_moves():
+                src.append(self.kv_manager.slot(c.seq, a))
+                dst.append(self.kv_manager.slot(c.seq, b))
+        self.runner.move_kv(src, dst)
 
     def _append(self, new_tokens: list[_NewTokens]) -> list[RequestOutput]:
         by_request: dict[str, RequestOutput] = {}

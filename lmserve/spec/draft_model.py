@@ -5,9 +5,11 @@ page ids as the target's: one page pool, so the prefix cache, preemption and rol
 caches at once. ``Sequence.num_draft_computed`` counts the tokens with draft KV. The draft keeps
 step with prefill chunks (it runs them in the same step as the target), catches up on tokens it
 skipped (steps where nothing was drafted), then drafts greedily, one pass per draft position for
-all drafting sequences together. Its drafts are deterministic (the draft's argmax), so the
+all drafting sequences together. With a tree width ``w`` > 1 the ``w - 1`` next best tokens at
+each depth are drafted too, as leaves beside the chain: free for the draft, and the target
+verifies them in the same pass. Its drafts are deterministic (the draft's best tokens), so the
 target's verification needs no draft probabilities (see ``speculator``); after verification the
-draft's count is clamped to the verified tokens (``KVCacheManager.rollback``).
+draft's count is clamped to the verified tokens its KV holds (``Scheduler.update``).
 """
 
 from __future__ import annotations
@@ -20,44 +22,47 @@ from lmserve.models.loader import read_model_args, resolve_model_path
 from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.spec.tree import DraftTree
 from lmserve.step import SeqStep, StepInput
 
 
 class DraftModelDrafter:
-    """Greedy drafts from a draft model's runner; at most ``max_pass_tokens`` tokens a pass."""
+    """Greedy drafts from a draft model's runner, with the ``width`` best tokens at each depth
+    (the best continue the chain); at most ``max_pass_tokens`` tokens a pass."""
 
-    def __init__(self, runner: ModelRunner, max_pass_tokens: int) -> None:
+    def __init__(self, runner: ModelRunner, max_pass_tokens: int, width: int = 1) -> None:
         self.runner = runner
         self.max_pass_tokens = max_pass_tokens
+        self.width = width
 
     def offer(self, seq: Sequence, cap: int) -> int:
         return cap
 
-    def propose(self, batch: Batch) -> None:
+    def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
         # Catch up: prefill chunks' tokens, and every token of a drafting sequence up to its
-        # newest, whose logits give the first draft.
+        # newest, whose logits give the first drafts.
         ends = {}
         for c in batch.chunks:
             if not c.decode:
                 ends[c] = c.seq.num_computed + c.num_tokens
-            elif c.num_lookahead:
+            elif depths.get(c):
                 ends[c] = len(c.seq.token_ids)
         first = self._catch_up(ends)
-        drafting = [c for c in batch.chunks if c.decode and c.num_lookahead]
-        for c in drafting:
-            c.draft_token_ids = [first[c]]
-        for depth in range(1, max((c.num_lookahead for c in drafting), default=0)):
-            deeper = [c for c in drafting if c.num_lookahead > depth]
-            steps = [SeqStep(start=c.seq.num_draft_computed, token_ids=c.draft_token_ids[-1:],
+        levels = {c: [first[c]] for c, depth in depths.items() if depth}  # candidates by depth
+        for depth in range(1, max(depths.values(), default=0)):
+            deeper = [c for c in levels if depths[c] > depth]
+            steps = [SeqStep(start=c.seq.num_draft_computed, token_ids=[levels[c][-1][0]],
                              page_table=list(c.seq.pages), num_logits=1) for c in deeper]
-            for c, token in zip(deeper, self._run(steps)):
+            for c, candidates in zip(deeper, self._run(steps)):
                 c.seq.num_draft_computed += 1
-                c.draft_token_ids.append(token)
+                levels[c].append(candidates)
+        for c, candidates in levels.items():
+            c.draft = DraftTree.from_candidates(candidates, c.num_lookahead)
 
-    def _catch_up(self, ends: dict[ScheduledChunk, int]) -> dict[ScheduledChunk, int]:
+    def _catch_up(self, ends: dict[ScheduledChunk, int]) -> dict[ScheduledChunk, list[int]]:
         """Run each chunk's tokens from its draft count to its end, in passes of at most
-        ``max_pass_tokens``; returns the draft's next token of each decoding chunk."""
-        first: dict[ScheduledChunk, int] = {}
+        ``max_pass_tokens``; returns the draft's best next tokens of each decoding chunk."""
+        first: dict[ScheduledChunk, list[int]] = {}
         while pending := [c for c, end in ends.items() if c.seq.num_draft_computed < end]:
             steps, chunks, budget = [], [], self.max_pass_tokens
             for c in pending:
@@ -70,17 +75,19 @@ class DraftModelDrafter:
                                      page_table=list(seq.pages), num_logits=1 if wants else 0))
                 chunks.append(c)
                 budget -= n
-            tokens = iter(self._run(steps))
+            candidates = iter(self._run(steps))
             for c, step in zip(chunks, steps):
                 c.seq.num_draft_computed += len(step.token_ids)
                 if step.num_logits:
-                    first[c] = next(tokens)
+                    first[c] = next(candidates)
         return first
 
-    def _run(self, steps: list[SeqStep]) -> list[int]:
-        """One draft pass; the argmax token of each logit row."""
+    def _run(self, steps: list[SeqStep]) -> list[list[int]]:
+        """One draft pass; the ``width`` best tokens of each logit row, best first."""
         logits = self.runner.execute(StepInput(steps))
-        return logits.argmax(dim=-1).tolist() if logits.shape[0] else []
+        if not logits.shape[0]:
+            return []
+        return logits.topk(self.width, dim=-1).indices.tolist()
 
 
 def read_draft_model(config: EngineConfig,

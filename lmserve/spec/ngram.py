@@ -3,7 +3,9 @@
 When a sequence's last ``n`` tokens occurred before (in its prompt or its output), the tokens
 that followed them there are a good guess for what follows now: summaries, extractions,
 rewrites and code edits copy long runs of their input. The longest suffix of ``max_n`` down to
-``min_n`` tokens with an earlier occurrence wins, and its latest occurrence is used.
+``min_n`` tokens with an earlier occurrence wins, and its latest occurrence is used. With a tree
+width ``w`` > 1, the ``w`` best occurrences (longest match, then latest) with different
+continuations are drafted together as a tree (shared beginnings once).
 """
 
 from __future__ import annotations
@@ -11,45 +13,47 @@ from __future__ import annotations
 import numpy as np
 
 from lmserve.request import Sequence
-from lmserve.scheduler import Batch
+from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.spec.tree import DraftTree
 
 
 class NgramDrafter:
-    """Proposes up to ``k`` tokens per sequence by prompt lookup; deterministic (q = 1 on its
-    token), so verification needs no draft probabilities."""
+    """Proposes up to ``k`` tokens deep per sequence by prompt lookup, ``width`` continuations;
+    deterministic (q = 1 on its tokens), so verification needs no draft probabilities."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+    def __init__(self, width: int = 1, min_n: int = 2, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.width = width
         self.min_n = min_n
         self.max_n = max_n
-        self._proposals: dict[Sequence, list[int]] = {}  # this step's, from ``offer``
+        self._proposals: dict[Sequence, DraftTree] = {}  # this step's, from ``offer``
 
     def offer(self, seq: Sequence, cap: int) -> int:
-        """Look the drafts up now (cheap); their number is the offer."""
-        proposal = propose_ngram(_tokens_array(seq), cap, self.min_n, self.max_n)
-        if proposal:
-            self._proposals[seq] = proposal
-        return len(proposal)
+        """Look the drafts up now (cheap); their depth is the offer."""
+        tree = propose_ngram(_tokens_array(seq), cap, self.min_n, self.max_n, self.width)
+        if len(tree):
+            self._proposals[seq] = tree
+        return max((tree.depth(i) for i in range(len(tree))), default=0)
 
-    def propose(self, batch: Batch) -> None:
-        for c in batch.chunks:
-            if c.num_lookahead:
-                c.draft_token_ids = self._proposals[c.seq][: c.num_lookahead]
+    def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
+        for c, depth in depths.items():
+            c.draft = self._proposals[c.seq].truncated(c.num_lookahead, depth)
         self._proposals = {}
 
 
-def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int, width: int = 1) -> DraftTree:
     """The up to ``k`` tokens after the latest earlier occurrence of the longest suffix of
-    ``tokens`` of ``max_n`` down to ``min_n`` tokens; [] when there is none.
+    ``tokens`` of ``max_n`` down to ``min_n`` tokens (then those after the next best occurrences,
+    up to ``width`` different continuations); an empty tree when there is none.
 
     One pass over the tokens finds the earlier occurrences of the last token; the match is then
     extended backwards at all of them at once (a step costs microseconds, not a scan per n).
     """
-    length = len(tokens)
+    tree, length = DraftTree(), len(tokens)
     ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # earlier last tokens
-    if len(ends) == 0:
-        return []
+    if len(ends) == 0 or k == 0:
+        return tree
     matched = np.ones(len(ends), dtype=np.int64)  # suffix tokens matched at each
     alive = np.ones(len(ends), dtype=bool)
     for back in range(1, max_n):
@@ -59,11 +63,18 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
         if not alive.any():
             break
         matched += alive
-    longest = int(matched.max())
-    if longest < min_n:
-        return []
-    start = int(ends[np.flatnonzero(matched == longest)[-1]]) + 1
-    return tokens[start : start + k].tolist()
+    seen: set[tuple[int, ...]] = set()
+    for i in np.lexsort((-ends, -matched)):  # longest match first, then latest
+        if matched[i] < min_n or len(seen) == width:
+            break
+        continuation = tuple(tokens[ends[i] + 1 : ends[i] + 1 + k].tolist())
+        if continuation in seen:
+            continue
+        seen.add(continuation)
+        node = -1
+        for token in continuation:
+            node = tree.add(node, token)
+    return tree
 
 
 def _tokens_array(seq: Sequence) -> np.ndarray:

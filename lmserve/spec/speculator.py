@@ -6,7 +6,10 @@ probability min(1, p/q), else resample from max(p - q, 0)) is exactly this: samp
 token at every drafted position, as if the drafts before it were accepted, and accept drafts
 while they equal the target's sample; the first differing sample replaces the rejected draft,
 and when all drafts are accepted the sample after the last one comes free. Accepting draft d
-with probability p(d) and otherwise drawing from p without d is drawing from p. The rows are
+with probability p(d) and otherwise drawing from p without d is drawing from p. A draft tree
+(``spec_tree_width`` > 1) is verified the same way: the target's sample at a node accepts the
+child drafting that token (siblings draft different tokens), so every token emitted is still the
+target's own sample at its position, whichever node it was drafted at. The rows are
 sampled with the same rules as without speculation (``sampler.sample``: greedy, temperature,
 top-k/p, min-p, penalties over the output so far including the drafts before the row), so greedy
 output is identical to speculation off, and seeded sampling too (its noise depends on the
@@ -22,7 +25,7 @@ from typing import Optional, Protocol
 from lmserve.config import EngineConfig
 from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
-from lmserve.scheduler import Batch
+from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength
 from lmserve.runner import ModelRunner
 from lmserve.spec.draft_model import DraftModelDrafter
@@ -40,57 +43,59 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
-def num_accepted(drafts: list[int], sampled: list[int]) -> int:
-    """Drafts accepted: the longest prefix of ``drafts`` equal to the target's ``sampled``
-    tokens at the same positions (``sampled`` has one more row, the token after the last)."""
-    n = 0
-    while n < len(drafts) and drafts[n] == sampled[n]:
-        n += 1
-    return n
-
-
 class Drafter(Protocol):
     """What the speculator needs of a drafter (``NgramDrafter``, ``DraftModelDrafter``)."""
 
     def offer(self, seq: Sequence, cap: int) -> int:
-        """Draft tokens the drafter can give ``seq`` this step, at most ``cap``."""
+        """How deep the drafter can draft for ``seq`` this step, at most ``cap``."""
 
-    def propose(self, batch: Batch) -> None:
-        """Fill ``draft_token_ids`` of the chunks with draft slots (at most ``num_lookahead``
-        each, and at most what was offered)."""
+    def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
+        """Fill the ``draft`` of the chunks in ``depths``: at most that deep and
+        ``num_lookahead`` nodes, and at most what was offered."""
 
 
 class Speculator:
-    """Speculative decoding with a drafter and a draft length: fixed ``k``, or adaptive (k=0,
-    chosen per step by ``AdaptiveDraftLength`` up to ``MAX_ADAPTIVE_K``)."""
+    """Speculative decoding with a drafter, a draft length (depth): fixed ``k``, or adaptive
+    (k=0, chosen per step by ``AdaptiveDraftLength`` up to ``MAX_ADAPTIVE_K``), and a tree
+    width ``width`` (candidates per depth; 1: a chain)."""
 
-    def __init__(self, drafter: Drafter, k: int, max_sequence_length: int) -> None:
+    def __init__(self, drafter: Drafter, k: int, max_sequence_length: int, width: int = 1) -> None:
         self.drafter = drafter
         self.adaptive = AdaptiveDraftLength() if k == 0 else None
         self.max_k = k or MAX_ADAPTIVE_K
+        self.width = width
         self.max_sequence_length = max_sequence_length
         self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
+        self._depths: dict[Sequence, int] = {}  # this step's, from ``lookahead``
 
     def lookahead(self, seqs: list[Sequence], with_prefill: bool = False) -> list[int]:
-        """Draft slots for this step's decoding sequences: what the drafter offers, at most
-        ``k`` (or the adaptive length), fewer near a sequence's length limits (a draft past
-        ``max_tokens`` would be thrown away, and one past the longest sequence has no
-        position). The adaptive length drafts nothing in a step that prefill chunks may share
-        (``with_prefill``): such a step is compute-bound, where drafts cost a full token."""
+        """Draft slots (tree nodes) for this step's decoding sequences: as deep as the drafter
+        offers, at most ``k`` (or the adaptive length), less near a sequence's length limits (a
+        draft past ``max_tokens`` would be thrown away, and one past the longest sequence has no
+        position), ``width`` nodes a depth. The adaptive length drafts nothing in a step that
+        prefill chunks may share (``with_prefill``): such a step is compute-bound, where drafts
+        cost a full token."""
+        self._depths = {}
         if self.adaptive is not None:
             self.adaptive.skip()  # unless it chooses below
             if with_prefill:
                 return [0] * len(seqs)
-        offers = [self.drafter.offer(s, cap) if (cap := self._cap(s)) else 0 for s in seqs]
-        if self.adaptive is not None and any(offers):
+        depths = [self.drafter.offer(s, cap) if (cap := self._cap(s)) else 0 for s in seqs]
+        if self.adaptive is not None and any(depths):
             k = self.adaptive.choose(len(seqs))
-            return [min(n, k) for n in offers]
-        return offers
+            depths = [min(n, k) for n in depths]
+        self._depths = dict(zip(seqs, depths))
+        # A tree's nodes take slots past the sequence's end: keep them within the longest.
+        return [min(d * self.width, self.max_sequence_length - len(s.token_ids) - 1)
+                for s, d in zip(seqs, depths)]
 
     def propose(self, batch: Batch) -> None:
-        """Fill the draft tokens of every chunk with reserved slots (a chunk may have been
-        granted fewer slots than asked, when pages were short)."""
-        self.drafter.propose(batch)
+        """Fill the drafts of every chunk with reserved slots (a chunk may have been granted
+        fewer slots than asked, when pages were short)."""
+        depths = {c: min(self._depths.get(c.seq, 0), c.num_lookahead)
+                  for c in batch.chunks if c.num_lookahead}
+        self._depths = {}
+        self.drafter.propose(batch, depths)
 
     def record(self, batch: Batch, seconds: float) -> None:
         """Count a step (its chunks' ``num_accepted`` set) that took ``seconds`` in all."""
@@ -100,7 +105,7 @@ class Speculator:
                 decode_only = False
                 continue
             tokens += 1 + chunk.num_accepted
-            drafts, accepted = len(chunk.draft_token_ids), chunk.num_accepted
+            drafts, accepted = len(chunk.draft), chunk.num_accepted
             if drafts:
                 c = self.counters
                 c.num_drafts += 1
@@ -125,8 +130,9 @@ def make_speculator(config: EngineConfig, plan: EnginePlan,
     model's worker, for ``small_draft``."""
     if config.speculative_mode == "disable":
         return None
+    width = config.spec_tree_width
     if config.speculative_mode == "ngram":
-        drafter: Drafter = NgramDrafter()
+        drafter: Drafter = NgramDrafter(width)
     else:
-        drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size)
-    return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length)
+        drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size, width)
+    return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length, width)
