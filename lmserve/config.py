@@ -386,7 +386,7 @@ def _check_combinations(c: EngineConfig) -> None:
         from lmserve.spec.tree import MAX_TREE_TOKENS
 
         k = c.spec_draft_length or MAX_ADAPTIVE_K
-        if k * c.spec_tree_width >= MAX_TREE_TOKENS:
+        if c.spec_tree_width > 1 and k * c.spec_tree_width >= MAX_TREE_TOKENS:
             length = (f"spec_draft_length={c.spec_draft_length}" if c.spec_draft_length else
                       f"spec_draft_length=0 (adaptive, up to {MAX_ADAPTIVE_K})")
             raise ValueError(

@@ -157,8 +157,8 @@ class Scheduler:
             seq = c.seq
             if seq.status is SeqStatus.FINISHED:
                 continue  # aborted while its output was processed; its pages are free
-            # A draft model's KV holds the draft nodes it ran at their step slots: valid for
-            # the accepted nodes that did not move.
+            # A draft model's KV holds the chain it ran (drafters put it first, as nodes 0, 1,
+            # ...) at their step slots: valid for the accepted nodes that did not move.
             seq.num_draft_computed = min(
                 seq.num_draft_computed, seq.num_computed + c.num_tokens + num_in_place(c.accepted))
             # The accepted drafts have KV; a stop inside the accepted run may have cut the tokens.

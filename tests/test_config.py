@@ -301,6 +301,7 @@ def test_default_config_is_supported():
         {"speculative_mode": "ngram"},
         {"speculative_mode": "ngram", "spec_draft_length": 5},
         {"speculative_mode": "ngram", "spec_draft_length": 4, "spec_tree_width": 3},
+        {"speculative_mode": "ngram", "spec_draft_length": 64},  # a chain has no 64-token limit
     ],
 )
 def test_built_features_are_supported(kwargs):

@@ -21,7 +21,9 @@ from lmserve.models.builtin import builtin_model_path
 from lmserve.request import Request, Sequence
 from lmserve.scheduler import Scheduler
 from lmserve.spec.adaptive import AdaptiveDraftLength
-from lmserve.spec.ngram import propose_ngram
+from lmserve.spec.draft_model import DraftModelDrafter
+from lmserve.spec.ngram import NgramDrafter, propose_ngram
+from lmserve.spec.speculator import Speculator
 from lmserve.spec.tree import DraftTree, num_in_place
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -462,3 +464,16 @@ def test_admissions_leave_room_for_the_draft_slots_wished():
     batch = s.schedule()
     # a's token and its 4 draft slots leave 5 of the 10 tokens for b's first chunk.
     assert [(c.num_tokens, c.num_lookahead) for c in batch.chunks] == [(1, 4), (5, 0)]
+
+
+def test_the_slots_asked_are_the_nodes_the_drafter_drafts():
+    """Prompt lookup asks for its tree's nodes (not depth x width); a draft model for depth x
+    width; both stop short of the longest sequence."""
+    tokens = [1, 2, 3, 9, 4, 2, 3, 7, 8, 0, 2, 3, 7, 6, 5, 2, 3]
+    seq = Sequence(Request("a", tokens, SamplingParams(max_tokens=100)), 0, list(tokens), None)
+    lookup = Speculator(NgramDrafter(width=3), k=2, max_sequence_length=100)
+    assert lookup.lookahead([seq]) == [5]  # 7-6, 7-8, 9-4: 5 nodes, not 6
+    model = Speculator(DraftModelDrafter(None, 64, width=3), k=4, max_sequence_length=100)
+    assert model.lookahead([seq]) == [12]
+    near_end = Speculator(DraftModelDrafter(None, 64, width=3), k=4, max_sequence_length=25)
+    assert near_end.lookahead([seq]) == [7]  # positions 17..23 at most: 25 - 17 - 1

@@ -397,8 +397,9 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   const int DV = kDV ? kDV : D / 16;  // compile-time for common head sizes: registers, unrolled
   const int n_keys = ctx[tokens - 1];  // the last token sees the most keys
   int ancestor[64];  // a tree token's ancestors (and itself) as offsets from the tree's start
-  for (int i = 0, b = 0; b < 64; ++b)
-    if (tree_bits >> b & 1) ancestor[i++] = b;
+  if (tree_start >= 0)
+    for (int i = 0, b = 0; b < 64; ++b)
+      if (tree_bits >> b & 1) ancestor[i++] = b;
   // Blocks are aligned to absolute key positions, so the order of every floating-point
   // operation of a row depends only on that row's context length.
   for (int start = 0; start < n_keys; start += 16) {

@@ -38,6 +38,9 @@ class DraftModelDrafter:
     def offer(self, seq: Sequence, cap: int) -> int:
         return cap
 
+    def num_nodes(self, seq: Sequence, depth: int) -> int:
+        return depth * self.width
+
     def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
         # Catch up: prefill chunks' tokens, and every token of a drafting sequence up to its
         # newest, whose logits give the first drafts.

@@ -36,6 +36,11 @@ class NgramDrafter:
             self._proposals[seq] = tree
         return max((tree.depth(i) for i in range(len(tree))), default=0)
 
+    def num_nodes(self, seq: Sequence, depth: int) -> int:
+        """The looked-up tree's nodes down to ``depth``."""
+        tree = self._proposals.get(seq)
+        return 0 if tree is None else sum(tree.depth(i) <= depth for i in range(len(tree)))
+
     def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
         for c, depth in depths.items():
             c.draft = self._proposals[c.seq].truncated(c.num_lookahead, depth)
@@ -63,17 +68,14 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int, width: int
         if not alive.any():
             break
         matched += alive
-    seen: set[tuple[int, ...]] = set()
+    added = 0  # continuations that added nodes (not already in the tree)
     for i in np.lexsort((-ends, -matched)):  # longest match first, then latest
-        if matched[i] < min_n or len(seen) == width:
+        if matched[i] < min_n or added == width:
             break
-        continuation = tuple(tokens[ends[i] + 1 : ends[i] + 1 + k].tolist())
-        if continuation in seen:
-            continue
-        seen.add(continuation)
-        node = -1
-        for token in continuation:
+        size, node = len(tree), -1
+        for token in tokens[ends[i] + 1 : ends[i] + 1 + k].tolist():
             node = tree.add(node, token)
+        added += len(tree) > size
     return tree
 
 

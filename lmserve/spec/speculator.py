@@ -49,32 +49,36 @@ class Drafter(Protocol):
     def offer(self, seq: Sequence, cap: int) -> int:
         """How deep the drafter can draft for ``seq`` this step, at most ``cap``."""
 
+    def num_nodes(self, seq: Sequence, depth: int) -> int:
+        """The draft tokens (tree nodes) it drafts for ``seq`` at most ``depth`` deep."""
+
     def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
         """Fill the ``draft`` of the chunks in ``depths``: at most that deep and
-        ``num_lookahead`` nodes, and at most what was offered."""
+        ``num_lookahead`` nodes, and at most what was offered. A drafter with its own KV (a
+        draft model) writes it only for the chain it ran, put first as nodes 0, 1, ... (see
+        ``Scheduler.update``)."""
 
 
 class Speculator:
-    """Speculative decoding with a drafter, a draft length (depth): fixed ``k``, or adaptive
-    (k=0, chosen per step by ``AdaptiveDraftLength`` up to ``MAX_ADAPTIVE_K``), and a tree
-    width ``width`` (candidates per depth; 1: a chain)."""
+    """Speculative decoding with a drafter (a chain or trees of drafts) and a draft length
+    (depth): fixed ``k``, or adaptive (k=0, chosen per step by ``AdaptiveDraftLength`` up to
+    ``MAX_ADAPTIVE_K``)."""
 
-    def __init__(self, drafter: Drafter, k: int, max_sequence_length: int, width: int = 1) -> None:
+    def __init__(self, drafter: Drafter, k: int, max_sequence_length: int) -> None:
         self.drafter = drafter
         self.adaptive = AdaptiveDraftLength() if k == 0 else None
         self.max_k = k or MAX_ADAPTIVE_K
-        self.width = width
         self.max_sequence_length = max_sequence_length
         self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
         self._depths: dict[Sequence, int] = {}  # this step's, from ``lookahead``
 
     def lookahead(self, seqs: list[Sequence], with_prefill: bool = False) -> list[int]:
-        """Draft slots (tree nodes) for this step's decoding sequences: as deep as the drafter
-        offers, at most ``k`` (or the adaptive length), less near a sequence's length limits (a
-        draft past ``max_tokens`` would be thrown away, and one past the longest sequence has no
-        position), ``width`` nodes a depth. The adaptive length drafts nothing in a step that
-        prefill chunks may share (``with_prefill``): such a step is compute-bound, where drafts
-        cost a full token."""
+        """Draft slots (tree nodes) for this step's decoding sequences: the drafter's nodes as
+        deep as it offers, at most ``k`` (or the adaptive length), less near a sequence's length
+        limits (a draft past ``max_tokens`` would be thrown away, and one past the longest
+        sequence has no position). The adaptive length drafts nothing in a step that prefill
+        chunks may share (``with_prefill``): such a step is compute-bound, where drafts cost a
+        full token."""
         self._depths = {}
         if self.adaptive is not None:
             self.adaptive.skip()  # unless it chooses below
@@ -86,7 +90,8 @@ class Speculator:
             depths = [min(n, k) for n in depths]
         self._depths = dict(zip(seqs, depths))
         # A tree's nodes take slots past the sequence's end: keep them within the longest.
-        return [min(d * self.width, self.max_sequence_length - len(s.token_ids) - 1)
+        return [min(self.drafter.num_nodes(s, d) if d else 0,
+                    self.max_sequence_length - len(s.token_ids) - 1)
                 for s, d in zip(seqs, depths)]
 
     def propose(self, batch: Batch) -> None:
@@ -135,4 +140,4 @@ def make_speculator(config: EngineConfig, plan: EnginePlan,
         drafter: Drafter = NgramDrafter(width)
     else:
         drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size, width)
-    return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length, width)
+    return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length)
