@@ -4,12 +4,16 @@ Input-grounded prompts (rewrite, extract from or edit a given text or code: what
 is for) and plain chat prompts, each sent ``--concurrency`` at a time (greedy, fixed output
 length), to engines with speculation off, the drafter (``--mode``) with fixed draft lengths, and
 with the adaptive length (spec_draft_length=0), each as a chain or as trees (``--widths``,
-spec_tree_width). ``--mode small_draft`` drafts with the built-in
-model itself at the draft's level (O3 by default) for a target at ``--opt`` (e.g. O0: the exact
-reference output at a quantized model's speed). Rounds are interleaved (every engine once per round) and
-the median of the rounds is reported: output tokens per second and the ratio to speculation off,
-with the acceptance (accepted drafts / drafts) and the mean tokens per verify step. Every
-engine's output is checked to be token for token the output with speculation off.
+spec_tree_width). ``--mode small_draft`` drafts with the built-in model itself at the draft's
+level (O3 by default) for a target at ``--opt`` (e.g. O0: the exact reference output at a
+quantized model's speed). Each configuration's engine lives in its own process for the whole run
+(as a server's would: the adaptive length keeps what it learned); in every round each workload
+and concurrency is measured by every configuration in turn, back to back, in a rotating order.
+Reported: the median of the rounds' output tokens per second, the median of the rounds' ratios
+to speculation off (each taken within its round: this machine's speed changes by up to 2x between
+stretches of a few seconds), the acceptance (accepted drafts / drafts) and the mean tokens per
+verify step. Every engine's output is checked to be token for token the output with speculation
+off.
 
     .venv/bin/python benchmarks/speculative.py [--mode ngram|small_draft] [--rounds 3] \
         [--concurrency 1 4 16] [--lengths 0 2 4 8] [--widths 1 3] [--opt O2] [--max-tokens 96]
@@ -18,6 +22,7 @@ engine's output is checked to be token for token the output with speculation off
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import sys
@@ -116,40 +121,38 @@ def main() -> None:
             dict(speculative_mode=args.mode, spec_draft_length=k, spec_tree_width=w, **draft)
         for k in args.lengths for w in args.widths
     }
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "unknown CPU")
     print(f"CPU: {cpu}, {os.cpu_count()} cores; opt {args.opt or 'default'}; {args.mode}; "
           f"{args.max_tokens} tokens per request; median of {args.rounds} rounds", flush=True)
 
-    # (workload, concurrency, config) -> [tokens/s per round]; and acceptance counters
-    rates: dict[tuple, list[float]] = {}
+    # One process per configuration, built once (a long-lived server's engine; the adaptive
+    # length keeps what it learned), and every measurement of a round taken by each
+    # configuration in turn, back to back: this machine's speed changes by up to 2x from one
+    # few-second stretch to the next, so a ratio is taken within a round, between neighbours in
+    # time. (Engines in separate processes: two in one process slow each other down.)
+    workers = {name: _Worker(kwargs, args) for name, kwargs in configs.items()}
+    rates: dict[tuple, list[float]] = {}  # (workload, concurrency, config) -> tokens/s a round
+    ratios: dict[tuple, list[float]] = {}  # ... -> rate / off's rate in the same round
     accept: dict[tuple, list[tuple[int, int, int]]] = {}
-    reference: dict[tuple, list[list[int]]] = {}
     for r in range(args.rounds):
-        for name, kwargs in configs.items():
-            engine = Engine(opt=args.opt, max_num_sequence=max(args.concurrency), verbose=False,
-                            **kwargs)
-            tok = engine.tokenizer
-            workloads = {"grounded": grounded_prompts(), "chat": CHAT}
-            for workload in args.workloads:
-                prompts = [tok.apply_chat_template([{"role": "user", "content": p}])
-                           for p in workloads[workload]]
-                run_batch(engine, prompts[:1], SamplingParams(temperature=0, max_tokens=4), 1)
-                for c in args.concurrency:
-                    # Enough requests that every concurrency keeps its streams busy.
-                    batch = (prompts * (1 + 2 * c // len(prompts)))[: max(len(prompts), 2 * c)]
-                    before = _counts(engine)
-                    seconds, tokens, outputs = run_batch(engine, batch, params, c)
+        for workload in args.workloads:
+            for c in args.concurrency:
+                names = list(configs)
+                names = names[r % len(names):] + names[: r % len(names)]  # rotate the order
+                got = {name: workers[name].run(workload, c) for name in names}
+                for name, (seconds, tokens, outputs, counts) in got.items():
                     key = (workload, c, name)
                     rates.setdefault(key, []).append(tokens / seconds)
-                    after = _counts(engine)
-                    accept.setdefault(key, []).append(tuple(a - b for a, b in zip(after, before)))
-                    ref = reference.setdefault((workload, c), outputs)
-                    if outputs != ref:
+                    accept.setdefault(key, []).append(counts)
+                    if outputs != got["off"][2]:
                         sys.exit(f"{name}: output differs from speculation off ({workload}, c={c})")
-            engine.shutdown()
+                off = got["off"][1] / got["off"][0]
+                for name in names:
+                    ratios.setdefault((workload, c, name), []).append(rates[(workload, c, name)][-1] / off)
         print(f"round {r + 1} done", flush=True)
+    for worker in workers.values():
+        worker.close()
 
     for workload in args.workloads:
         print(f"\n{workload} prompts: output tokens/s (ratio to off); acceptance; tokens per step")
@@ -159,12 +162,51 @@ def main() -> None:
             cells = []
             for c in args.concurrency:
                 rate = statistics.median(rates[(workload, c, name)])
-                off = statistics.median(rates[(workload, c, "off")])
+                ratio = statistics.median(ratios[(workload, c, name)])
                 drafts, drafted, accepted = (sum(x) for x in zip(*accept[(workload, c, name)]))
                 acceptance = (f" {accepted / drafted:4.0%} {1 + accepted / drafts:4.2f}"
                               if drafts else " " * 10)
-                cells.append(f"{rate:8.1f} ({rate / off:5.2f}x){acceptance}")
+                cells.append(f"{rate:8.1f} ({ratio:5.2f}x){acceptance}")
             print(f"{name:<22}" + "".join(f"{cell:>34}" for cell in cells))
+
+
+class _Worker:
+    """A configuration's engine in its own process, running one measurement at a time."""
+
+    def __init__(self, kwargs: dict, args: argparse.Namespace) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, kwargs, args), daemon=True)
+        self.process.start()
+        self.conn.recv()  # built and warm (one at a time: builds do not overlap)
+
+    def run(self, workload: str, concurrency: int) -> tuple[float, int, list, tuple[int, int, int]]:
+        """(seconds, output tokens, outputs, spec counters' increase) of one batch."""
+        self.conn.send((workload, concurrency))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.process.join()
+
+
+def _serve(conn, kwargs: dict, args: argparse.Namespace) -> None:
+    engine = Engine(opt=args.opt, max_num_sequence=max(args.concurrency), verbose=False, **kwargs)
+    tok = engine.tokenizer
+    workloads = {name: [tok.apply_chat_template([{"role": "user", "content": p}]) for p in texts]
+                 for name, texts in (("grounded", grounded_prompts()), ("chat", CHAT))}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    run_batch(engine, workloads["chat"][:1], SamplingParams(temperature=0, max_tokens=4), 1)
+    conn.send("ready")
+    while (command := conn.recv()) is not None:
+        workload, c = command
+        prompts = workloads[workload]
+        # Enough requests that every concurrency keeps its streams busy.
+        batch = (prompts * (1 + 2 * c // len(prompts)))[: max(len(prompts), 2 * c)]
+        before = _counts(engine)
+        seconds, tokens, outputs = run_batch(engine, batch, params, c)
+        conn.send((seconds, tokens, outputs, tuple(a - b for a, b in zip(_counts(engine), before))))
+    engine.shutdown()
 
 
 def _counts(engine: Engine) -> tuple[int, int, int]:

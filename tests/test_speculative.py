@@ -477,3 +477,25 @@ def test_the_slots_asked_are_the_nodes_the_drafter_drafts():
     assert model.lookahead([seq]) == [12]
     near_end = Speculator(DraftModelDrafter(None, 64, width=3), k=4, max_sequence_length=25)
     assert near_end.lookahead([seq]) == [7]  # positions 17..23 at most: 25 - 17 - 1
+
+
+def test_the_adaptive_length_asks_the_drafter_nothing_when_it_chooses_not_to_draft():
+    """A full batch starts at plain decoding: its steps pay for no lookups; one stream starts
+    at two drafts and asks for them."""
+
+    class CountingDrafter:
+        asked = 0
+
+        def offer(self, seq, cap):
+            self.asked += 1
+            return cap
+
+        def num_nodes(self, seq, depth):
+            return depth
+
+    drafter = CountingDrafter()
+    spec = Speculator(drafter, k=0, max_sequence_length=100)
+    seqs = [Sequence(Request(str(i), [1, 2], SamplingParams(max_tokens=50)), 0, [1, 2], None)
+            for i in range(16)]
+    assert spec.lookahead(seqs) == [0] * 16 and drafter.asked == 0
+    assert spec.lookahead(seqs[:1]) == [2] and drafter.asked == 1

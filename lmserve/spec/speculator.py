@@ -80,14 +80,18 @@ class Speculator:
         chunks may share (``with_prefill``): such a step is compute-bound, where drafts cost a
         full token."""
         self._depths = {}
+        k = self.max_k
         if self.adaptive is not None:
             self.adaptive.skip()  # unless it chooses below
             if with_prefill:
                 return [0] * len(seqs)
-        depths = [self.drafter.offer(s, cap) if (cap := self._cap(s)) else 0 for s in seqs]
-        if self.adaptive is not None and any(depths):
+            # Chosen before the drafter is asked: a plain decode step (the usual choice of a
+            # full batch) then pays for no lookups or draft passes.
             k = self.adaptive.choose(len(seqs))
-            depths = [min(n, k) for n in depths]
+            if k == 0:
+                return [0] * len(seqs)
+        depths = [self.drafter.offer(s, min(k, cap)) if (cap := self._cap(s)) else 0
+                  for s in seqs]
         self._depths = dict(zip(seqs, depths))
         # A tree's nodes take slots past the sequence's end: keep them within the longest.
         return [min(self.drafter.num_nodes(s, d) if d else 0,
