@@ -17,9 +17,12 @@ Requests:
     ``InvalidRequestError`` whose ``param`` names the offending field, the shape OpenAI's error
     body uses (``parse`` turns pydantic's ``ValidationError`` into one).
 
-    ``response_format``, ``tools`` and ``tool_choice`` are validated for their shape, then refused
-    where they would ask for what is not built yet (JSON output, tool calls): ``response_format``
-    ``text`` and tools with ``tool_choice: "none"`` (shown to the model through its chat
+    Structured output: chat's ``response_format`` (``text``, ``json_object``, ``json_schema``)
+    and, on both endpoints, vLLM's ``structured_outputs`` (``json``, ``json_object``, ``regex``,
+    ``choice``, ``grammar``, ``structural_tag``, ``disable_any_whitespace``) become
+    ``SamplingParams.structured_outputs``; a request may use one of the two. ``tools`` and
+    ``tool_choice`` are validated for their shape, then refused where they would ask for tool
+    calls (not built yet): tools with ``tool_choice: "none"`` (shown to the model through its chat
     template, no calls expected) are served.
 
 Responses:
@@ -31,10 +34,12 @@ Responses:
 
 from __future__ import annotations
 
+import json as _json
 from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from lmserve.structured.params import StructuredOutputsParams
 from lmserve.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -209,6 +214,32 @@ ResponseFormat = Annotated[
 ]
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` request field: exactly one constraint (see
+    ``lmserve.structured.params.StructuredOutputsParams``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    # "json" would shadow a BaseModel attribute, hence the alias.
+    json_value: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    structural_tag: Union[str, dict[str, Any], None] = None
+    disable_any_whitespace: Optional[bool] = None
+
+    def to_params(self) -> StructuredOutputsParams:
+        tag = self.structural_tag
+        fields = self.model_dump(exclude_none=True, by_alias=True)
+        if isinstance(tag, dict):
+            fields["structural_tag"] = _json.dumps(tag)
+        try:
+            return StructuredOutputsParams(**fields)
+        except ValueError as err:
+            raise InvalidRequestError(str(err), "structured_outputs") from None
+
+
 class FunctionDefinition(_Strict):
     name: str
     description: Optional[str] = None
@@ -272,6 +303,7 @@ class GenerationRequest(_Strict):
     min_tokens: Optional[Annotated[int, Field(ge=0)]] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
+    structured_outputs: Optional[StructuredOutputs] = None
 
     @classmethod
     def parse(cls: type[_R], data: Any) -> _R:
@@ -311,6 +343,10 @@ class GenerationRequest(_Strict):
     def _logprobs(self) -> Optional[int]:
         """SamplingParams.logprobs: None, or how many top alternatives to report per token."""
         raise NotImplementedError
+
+    def _structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        """SamplingParams.structured_outputs: the constraint the request asks for, if any."""
+        return self.structured_outputs.to_params() if self.structured_outputs else None
 
     def _check(self) -> None:
         """Cross-field checks; raise InvalidRequestError naming the field."""
@@ -354,6 +390,7 @@ class GenerationRequest(_Strict):
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self._structured_outputs(),
         )
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         try:
@@ -381,18 +418,26 @@ class ChatCompletionRequest(GenerationRequest):
             raise InvalidRequestError(
                 "give max_completion_tokens or its deprecated alias max_tokens, not both", "max_tokens"
             )
-        # Not built yet: refused rather than ignored, so nobody gets an unconstrained answer or
-        # tool-call text left unparsed while believing otherwise.
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequestError(
-                f"response_format {self.response_format.type!r} is not supported yet: lmserve does not "
-                f"constrain output to JSON (only {{'type': 'text'}} is accepted)", "response_format")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise InvalidRequestError("give response_format or structured_outputs, not both",
+                                      "structured_outputs")
+        # Not built yet: refused rather than ignored, so nobody gets tool-call text left
+        # unparsed while believing otherwise.
         if self.tools and self.tool_choice != "none":
             raise InvalidRequestError(
                 "tools are not supported yet: lmserve does not parse tool calls (send tool_choice "
                 "'none' to show the tools to the model without calls)", "tools")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+
+    def _structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return super()._structured_outputs()
+        if fmt.type == "json_schema" and fmt.json_schema.json_schema is not None:
+            return StructuredOutputsParams(json=fmt.json_schema.json_schema, origin="response_format")
+        return StructuredOutputsParams(json_object=True, origin="response_format")
 
     def _requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -58,6 +58,8 @@ class Sequence:
     output_state: Any = None
     # Per-choice state of the speculative drafter, owned by it.
     draft_state: Any = None
+    # Structured output: its place in the request's grammar (a SequenceGrammar), or None.
+    grammar: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,6 +4,7 @@ Pure functions of tensors, in the spirit of gpt-fast's ``generate.py``: once per
 builds a :class:`SamplingBatch` (one row per running sequence) and calls :func:`sample` on the
 ``(B, V)`` logits. The stages run in this order:
 
+0. the grammar's token mask on constrained rows (structured output): disallowed tokens -> -inf;
 1. ``logit_bias`` (and, before ``min_tokens`` output tokens, a ban on stop and eos tokens);
 2. repetition, then frequency and presence penalties;
 3. greedy rows (temperature 0) take the argmax here;
@@ -23,6 +24,7 @@ from typing import Optional, Union
 import torch
 
 from lmserve.sampling_params import SamplingParams
+from lmserve.structured.matcher import apply_bitmask
 
 # Dividing float32 logits by a temperature below this can overflow them to inf (and the
 # softmax to NaN); the distribution there is already a point mass on the argmax.
@@ -58,6 +60,9 @@ class SamplingBatch:
     min_p: Optional[torch.Tensor]  # (B,) float32, 0 where off
     num_logprobs: Optional[torch.Tensor]  # (B,) int64: top alternatives asked, 0 where off
     max_logprobs: Optional[int]  # K of the result; None when no row asked for logprobs
+    # Structured output: (B, ceil(V / 32)) int32 allowed-token bits, applied on bitmask_rows.
+    token_bitmask: Optional[torch.Tensor] = None
+    bitmask_rows: Optional[list[int]] = None
 
     @classmethod
     def build(
@@ -69,11 +74,13 @@ class SamplingBatch:
         vocab_size: int,
         device: Union[torch.device, str],
         eos_token_ids: Sequence[int] = (),
+        token_bitmask: Optional[tuple[torch.Tensor, list[int]]] = None,
     ) -> SamplingBatch:
         """Gather the settings of ``B = len(params)`` rows into tensors on ``device``.
 
         ``generators[i]`` must live on ``device``. ``eos_token_ids`` are banned, together with
         the row's ``stop_token_ids``, while a row has fewer than ``min_tokens`` output tokens.
+        ``token_bitmask``: the grammar masks and the rows they constrain (``fill_bitmask``).
         Token ids are assumed checked with :meth:`SamplingParams.check_vocab`.
         """
         num_rows = len(params)
@@ -159,6 +166,8 @@ class SamplingBatch:
             min_p=floats(min_p) if any(v > 0.0 for v in min_p) else None,
             num_logprobs=ints(num_logprobs) if want_logprobs else None,
             max_logprobs=max(num_logprobs) if want_logprobs else None,
+            token_bitmask=token_bitmask[0] if token_bitmask else None,
+            bitmask_rows=token_bitmask[1] if token_bitmask else None,
         )
 
 
@@ -182,13 +191,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """Choose one token per row of ``logits`` (``(B, V)``, float32) as ``batch`` says.
 
     ``logits`` is not modified. Logprobs, when asked, are those of the model's raw
-    distribution (``log_softmax(logits)``), not of the processed one that was sampled.
+    distribution (``log_softmax(logits)``), not of the processed one that was sampled, nor of
+    the grammar's mask.
     """
     if logits.shape != (batch.greedy.shape[0], batch.vocab_size):
         raise ValueError(
             f"logits have shape {tuple(logits.shape)}, the batch expects "
             f"({batch.greedy.shape[0]}, {batch.vocab_size})"
         )
+    raw = logits
+    if batch.token_bitmask is not None:
+        logits = logits.float().clone()
+        apply_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
     if batch.greedy_fast_path:
         return SampleResult(token_ids=logits.argmax(dim=-1))
 
@@ -202,9 +216,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
 
     if batch.max_logprobs is None:
         return SampleResult(token_ids=token_ids)
-    raw = logits.log_softmax(dim=-1)  # (B, V)
-    chosen = raw.gather(1, token_ids[:, None]).squeeze(1)  # (B,)
-    top_logprobs, top_ids = raw.topk(batch.max_logprobs, dim=-1)  # (B, K) each
+    raw_logprobs = raw.float().log_softmax(dim=-1)  # (B, V)
+    chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # (B,)
+    top_logprobs, top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)  # (B, K) each
     positions = torch.arange(batch.max_logprobs, device=logits.device)  # (K,)
     unasked = positions[None, :] >= batch.num_logprobs[:, None]  # (B, K)
     return SampleResult(

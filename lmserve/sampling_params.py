@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lmserve.structured.params import StructuredOutputsParams
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; more only slows the per-token stop-string scan
 MAX_LOGPROBS = 20  # OpenAI's limit on top alternatives per position
 MAX_PENALTY = 2.0  # OpenAI's range for frequency and presence penalties is [-2, 2]
@@ -150,6 +151,8 @@ class SamplingParams:
     logprobs: Optional[int] = None  # None: off; k: chosen token's logprob and k top alternatives
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    # The grammar the output must follow (JSON schema, regex, ...); it also ends the output.
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, lo=1)
@@ -188,6 +191,13 @@ class SamplingParams:
         self.include_stop_str_in_output = _check_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{self.structured_outputs!r}")
+            if self.min_tokens:
+                # The grammar decides where the output ends; banning its end would leave no token.
+                raise ValueError("min_tokens cannot be combined with structured output")
 
     @property
     def is_greedy(self) -> bool:

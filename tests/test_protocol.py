@@ -170,13 +170,33 @@ def test_completion_fields():
     assert completion_params(echo=True, n=2, max_tokens=3).n == 2
 
 
-def test_what_is_not_built_yet_is_refused_not_ignored():
-    # JSON output and tool calls (issue 17): an answer must never silently ignore them.
+def test_tool_calls_are_refused_not_ignored_until_built():
+    # Tool calls (issue 17): an answer must never silently ignore them.
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
-        assert param_of(chat_params, response_format=fmt) == "response_format"
     assert param_of(chat_params, tools=tools) == "tools"
     assert param_of(chat_params, tools=tools, tool_choice="required") == "tools"
     assert param_of(chat_params, tool_choice="auto") == "tool_choice"
-    chat_params(response_format={"type": "text"})
     chat_params(tools=tools, tool_choice="none")  # shown to the model, no call expected
+
+
+def test_response_format_and_structured_outputs_become_one_constraint():
+    assert chat_params(response_format={"type": "text"}).structured_outputs is None
+    obj = chat_params(response_format={"type": "json_object"}).structured_outputs
+    assert obj.kind == "json_object" and obj.origin == "response_format"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert chat_params(response_format=fmt).structured_outputs.json == schema
+    no_schema = {"type": "json_schema", "json_schema": {"name": "x"}}
+    assert chat_params(response_format=no_schema).structured_outputs.kind == "json_object"
+    for so, kind in [({"json": schema}, "json"), ({"regex": "a+"}, "regex"), ({"choice": ["a", "b"]}, "choice"),
+                     ({"grammar": "root ::= \"a\""}, "grammar"), ({"json_object": True}, "json_object"),
+                     ({"structural_tag": {"type": "structural_tag"}}, "structural_tag")]:
+        params = completion_params(structured_outputs=so)
+        assert params.structured_outputs.kind == kind and params.structured_outputs.origin == "structured_outputs"
+    assert chat_params(structured_outputs={"regex": "a", "disable_any_whitespace": False}
+                       ).structured_outputs.compact is False
+    assert param_of(completion_params, structured_outputs={"regex": "a", "choice": ["b"]}) == "structured_outputs"
+    assert param_of(completion_params, structured_outputs={}) == "structured_outputs"
+    assert param_of(completion_params, structured_outputs={"guided_json": {}}) == "structured_outputs"
+    assert param_of(chat_params, response_format=fmt, structured_outputs={"regex": "a"}) == "structured_outputs"
+    assert param_of(chat_params, response_format=fmt, min_tokens=1) is None  # SamplingParams' own refusal

@@ -26,6 +26,8 @@ from lmserve.spec.draft_model import read_draft_model
 from lmserve.spec.speculator import SpecCounters, make_speculator
 from lmserve.sampling_params import SamplingParams
 from lmserve.scheduler import Batch, Scheduler
+from lmserve.structured.compiler import GrammarCompiler
+from lmserve.structured.matcher import SequenceGrammar, fill_bitmask
 from lmserve.support import check_supported
 from lmserve.tokenizer import Tokenizer
 from lmserve.worker import build_worker
@@ -75,6 +77,7 @@ class EngineCore:
                                    config.prefill_mode,
                                    self.speculator.lookahead if self.speculator else None)
         self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
+        self.grammars = GrammarCompiler(self.tokenizer, self.args.vocab_size)
         self.requests: dict[str, Request] = {}
         self.counters = _Counters()
         if config.verbose:
@@ -107,13 +110,18 @@ class EngineCore:
             params.check_vocab(vocab)
         except ValueError as err:
             raise InvalidRequestError(str(err)) from None
+        if params.structured_outputs is not None:
+            # Compiled here, in the caller's thread; add_request then finds it in the cache.
+            self.grammars.compile(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params)
+        grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
         for i in range(params.n):
-            req.seqs.append(Sequence(req, i, list(prompt_token_ids), _seed(params, i)))
+            req.seqs.append(Sequence(req, i, list(prompt_token_ids), _seed(params, i),
+                                     grammar=grammar and SequenceGrammar(grammar)))
         self.requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)
@@ -213,9 +221,11 @@ class EngineCore:
         chunks = [c for c in batch.chunks if c.samples]
         if not chunks:
             return []
-        # (sequence, the drafts before the row's position: the path to its draft node)
-        rows = [(c.seq, [c.draft.token_ids[n] for n in c.draft.path(node)])
-                for c in chunks for node in range(-1, len(c.draft))]
+        # Per chunk, per row: the drafts before the row's position (the path to its draft node).
+        paths = [[[c.draft.token_ids[n] for n in c.draft.path(node)] for node in range(-1, len(c.draft))]
+                 for c in chunks]
+        rows = [(c.seq, before) for c, befores in zip(chunks, paths) for before in befores]
+        masks = fill_bitmask([(c.seq.grammar, p) for c, p in zip(chunks, paths)], self.args.vocab_size)
         result = sample(logits, SamplingBatch.build(
             params=[seq.request.params for seq, _ in rows],
             generators=[_generator(seq.seed, len(seq.token_ids) + len(before))
@@ -225,6 +235,7 @@ class EngineCore:
             vocab_size=self.args.vocab_size,
             device=self.device,
             eos_token_ids=self.tokenizer.eos_token_ids,
+            token_bitmask=masks,
         ))
         sampled = result.token_ids.tolist()
         new, row = [], 0

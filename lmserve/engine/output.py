@@ -23,7 +23,8 @@ class OutputProcessor:
     Stop rules, in order: a ``stop_token_ids`` hit or (unless ``ignore_eos``) an end-of-sequence
     token; a stop string in the text (never a fragment of one reaches the caller); then
     ``max_tokens`` or the longest allowed sequence ("length"). Before ``min_tokens`` outputs, only
-    the length limits apply.
+    the length limits apply. A structured-output sequence also stops ("stop") when its grammar is
+    complete, even with ``ignore_eos``: no token may follow.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_sequence_length: int) -> None:
@@ -68,11 +69,14 @@ class OutputProcessor:
         state: _ChoiceState = seq.output_state
         seq.token_ids.append(token_id)
         may_stop = seq.num_output_tokens >= p.min_tokens
+        if seq.grammar is not None:
+            seq.grammar.accept(token_id)
 
         text = ""
         if may_stop and token_id in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token_id
-        elif may_stop and not p.ignore_eos and token_id in self.eos_token_ids:
+        elif (may_stop and not p.ignore_eos and token_id in self.eos_token_ids) or (
+                seq.grammar is not None and seq.grammar.terminated):
             seq.finish_reason = "stop"
         else:
             text = state.detokenizer.push(token_id)

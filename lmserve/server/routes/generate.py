@@ -17,7 +17,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable
-from typing import Any, TypeVar, Union
+from typing import TypeVar, Union
 
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel

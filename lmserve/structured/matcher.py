@@ -1,0 +1,83 @@
+"""Per-sequence grammar state and the step's token masks.
+
+Each constrained sequence holds a ``SequenceGrammar``, advanced by every token it keeps (in the
+output processor). Before sampling, ``fill_bitmask`` writes the allowed tokens of every
+constrained row of the step; with speculative decoding a sequence has a row per draft node, the
+position after the path of drafts to it, and the matcher walks each path and rolls back after
+(a draft the grammar refuses makes its row and those below it moot: the target's masked sample
+can never accept it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from lmserve.structured.compiler import import_xgrammar
+
+
+class SequenceGrammar:
+    """A sequence's matcher: which tokens its grammar allows next."""
+
+    def __init__(self, compiled: Any) -> None:
+        self._matcher = import_xgrammar().GrammarMatcher(compiled)
+
+    def accept(self, token_id: int) -> None:
+        """Advance by a token the sequence kept; raises ``ValueError`` if the grammar refuses it
+        (which the masks make impossible)."""
+        if not self._matcher.accept_token(token_id):
+            raise ValueError(f"token {token_id} breaks the request's grammar")
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its stop token accepted: nothing may follow."""
+        return self._matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, first_row: int, paths: Sequence[Sequence[int]]) -> None:
+        """Fill ``bitmask`` rows ``first_row + i``: the tokens allowed after drafts ``paths[i]``.
+
+        Paths that share a prefix with the one before (a chain; a tree in depth-first order)
+        re-walk only what differs. Rows whose path the grammar refuses are left as they are.
+        """
+        walked: list[int] = []
+        for i, path in enumerate(paths):
+            common = 0
+            while common < min(len(walked), len(path)) and walked[common] == path[common]:
+                common += 1
+            if len(walked) > common:
+                self._matcher.rollback(len(walked) - common)
+                del walked[common:]
+            for token_id in path[common:]:
+                if not self._matcher.accept_token(token_id):
+                    break
+                walked.append(token_id)
+            if len(walked) == len(path):
+                self._matcher.fill_next_token_bitmask(bitmask, first_row + i)
+        if walked:
+            self._matcher.rollback(len(walked))
+
+
+def fill_bitmask(rows: Sequence[tuple[Optional[SequenceGrammar], Sequence[Sequence[int]]]],
+                 vocab_size: int) -> Optional[tuple[torch.Tensor, list[int]]]:
+    """The step's token mask: ``rows`` holds, per sequence in row order, its grammar (None when
+    unconstrained) and its rows' draft paths. Returns the ``(num_rows, ceil(V / 32))`` int32
+    bitmask and the constrained row indices, or None when no row is constrained."""
+    if all(grammar is None for grammar, _ in rows):
+        return None
+    xgr = import_xgrammar()
+    bitmask = xgr.allocate_token_bitmask(sum(len(paths) for _, paths in rows), vocab_size)
+    indices: list[int] = []
+    row = 0
+    for grammar, paths in rows:
+        if grammar is not None:
+            grammar.fill(bitmask, row, paths)
+            indices.extend(range(row, row + len(paths)))
+        row += len(paths)
+    return bitmask, indices
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
+    """Set the logits of tokens ``bitmask`` disallows to -inf, in place, on rows ``indices``."""
+    import_xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=indices)
