@@ -37,6 +37,7 @@ from lmserve.bench.cli import add_bench_parser
 from lmserve.chat_cli import run_chat
 from lmserve.config import EngineConfig
 from lmserve.engine.engine import Engine, EngineBase
+from lmserve.generation_defaults import MODES
 from lmserve.protocol import ChatCompletionRequest, InvalidRequestError
 from lmserve.server.settings import ServerSettings
 
@@ -168,11 +169,19 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Engine
         parser.error(str(err))
 
 
-def _load(engine_class: type[_E], config: EngineConfig, parser: argparse.ArgumentParser) -> _E:
+def _add_generation_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--generation-config", choices=MODES, default="auto",
+                        help="sampling defaults for what a request leaves unset: 'auto' takes the "
+                             "model's (generation_config.json; llama.cpp's for a GGUF file), 'none' "
+                             "leaves OpenAI's (temperature 1, top_p 1) (default: %(default)s)")
+
+
+def _load(engine_class: type[_E], config: EngineConfig, parser: argparse.ArgumentParser,
+          generation_config: str = "auto") -> _E:
     """Load the engine; a model or config it cannot serve ends the command (status 1)."""
     print(f"loading {config.model or 'the built-in model'}...", file=sys.stderr, flush=True)
     try:
-        return engine_class(config=config)
+        return engine_class(config=config, generation_config=generation_config)
     except (NotImplementedError, OSError, ValueError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -184,7 +193,7 @@ def _load(engine_class: type[_E], config: EngineConfig, parser: argparse.Argumen
 def _run_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = _config(args, parser)
     options = _sampling_options(args, parser)
-    engine = _load(Engine, config, parser)
+    engine = _load(Engine, config, parser, args.generation_config)
     try:
         return run_chat(engine, system=args.system, options=options)
     finally:
@@ -197,16 +206,18 @@ def _add_chat(commands: Any) -> None:
                                            "the chat for its commands.")
     sampling = chat.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, metavar="T",
-                          help="sampling temperature, 0 = greedy (default: 1.0)")
+                          help="sampling temperature, 0 = greedy (default: the model's sampling "
+                               "defaults, see lmserve plan)")
     sampling.add_argument("--top-p", type=float, metavar="P",
                           help="nucleus sampling: keep the top tokens of this probability mass "
-                               "(default: 1.0)")
+                               "(default: the model's sampling defaults)")
     sampling.add_argument("--max-tokens", type=int, metavar="N",
                           help="most tokens per answer (default: what the context leaves)")
     sampling.add_argument("--seed", type=int, metavar="S",
                           help="random seed, for repeatable sampling (default: none)")
     chat.add_argument("--system", metavar="TEXT",
                       help="system prompt (default: the model's chat template decides)")
+    _add_generation_config(chat)
     # The engine's log would interleave with the conversation, so chat is quiet unless asked.
     add_engine_args(chat, defaults={"verbose": False})
     chat.set_defaults(handler=_run_chat, parser=chat)
@@ -228,7 +239,7 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     from lmserve.engine.async_engine import AsyncEngine
     from lmserve.server.run import serve
 
-    engine = _load(AsyncEngine, config, parser)
+    engine = _load(AsyncEngine, config, parser, args.generation_config)
     # The server handles SIGTERM and SIGINT while it runs (a drain, exit 0) and puts back the
     # handlers it found when it stops. Before it runs, they end the process with status 0; once
     # it has stopped they are ignored, so that a late signal cannot kill the process (status
@@ -294,6 +305,7 @@ def _add_serve(commands: Any) -> None:
                       choices=["critical", "error", "warning", "info", "debug", "trace"],
                       help="uvicorn's log level; 'warning' drops the access log (default: %(default)s)")
     add_engine_args(serve)
+    _add_generation_config(serve)
     serve.set_defaults(handler=_run_serve, parser=serve)
 
 
@@ -301,6 +313,7 @@ def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = _config(args, parser)
     # Reads the model's hyper-parameters only: no weights are loaded.
     from lmserve.models.loader import read_model_args, resolve_model_path
+    from lmserve.generation_defaults import read_generation_defaults
     from lmserve.plan import make_plan
     from lmserve.spec.draft_model import read_draft_model
 
@@ -314,6 +327,7 @@ def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(f"model  {path} ({model.architecture}, {model.num_layers} layers, "
           f"context {model.context_length})")
     print(plan.describe())
+    print(read_generation_defaults(path, args.generation_config).describe())
     return 0
 
 
@@ -324,6 +338,7 @@ def _add_plan(commands: Any) -> None:
                     "KV cache capacity, prefill chunk, weight and KV dtypes (from --opt), and the "
                     "memory it expects against the budget. No weights are loaded.")
     add_engine_args(plan)
+    _add_generation_config(plan)
     plan.set_defaults(handler=_run_plan, parser=plan)
 
 

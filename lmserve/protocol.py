@@ -20,10 +20,9 @@ Requests:
     Structured output: chat's ``response_format`` (``text``, ``json_object``, ``json_schema``)
     and, on both endpoints, vLLM's ``structured_outputs`` (``json``, ``json_object``, ``regex``,
     ``choice``, ``grammar``, ``structural_tag``, ``disable_any_whitespace``) become
-    ``SamplingParams.structured_outputs``; a request may use one of the two. ``tools`` and
-    ``tool_choice`` are validated for their shape, then refused where they would ask for tool
-    calls (not built yet): tools with ``tool_choice: "none"`` (shown to the model through its chat
-    template, no calls expected) are served.
+    ``SamplingParams.structured_outputs``; a request may use one of the two. ``tools``,
+    ``tool_choice`` and ``parallel_tool_calls`` are read by ``ChatCompletionRequest.tool_mode``
+    (the prompt, the grammar and the parsing of calls live in ``lmserve/tools``).
 
 Responses:
     ``ChatCompletion``, ``ChatCompletionChunk``, ``Completion`` (OpenAI uses it for the streamed
@@ -353,12 +352,16 @@ class GenerationRequest(_Strict):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
 
-    def to_sampling_params(self, default_max_tokens: Optional[int]) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: Optional[int],
+                           defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         """Map the request to SamplingParams with OpenAI's defaults.
 
         ``default_max_tokens`` is used when the request sets no limit (the server passes what the
         context window leaves after the prompt); None leaves SamplingParams' own default.
+        ``defaults``: the model's sampling defaults (``GenerationDefaults.values``), used for
+        the fields the request leaves unset, before OpenAI's.
         """
+        model = defaults or {}
         self._check()
         max_tokens = self._requested_max_tokens()
         if max_tokens is None:
@@ -369,8 +372,8 @@ class GenerationRequest(_Strict):
             )
         kwargs: dict[str, Any] = dict(
             n=1 if self.n is None else self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=model.get("temperature", 1.0) if self.temperature is None else self.temperature,
+            top_p=model.get("top_p", 1.0) if self.top_p is None else self.top_p,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             stop=self.stop_strings(),
@@ -382,9 +385,10 @@ class GenerationRequest(_Strict):
             max_tokens=max_tokens,
             seed=self.seed,
             logit_bias=self.logit_bias,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
+            top_k=model.get("top_k") if self.top_k is None else self.top_k,
+            min_p=model.get("min_p") if self.min_p is None else self.min_p,
+            repetition_penalty=model.get("repetition_penalty") if self.repetition_penalty is None
+            else self.repetition_penalty,
             ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids,
             min_tokens=self.min_tokens,
@@ -409,6 +413,18 @@ class ChatCompletionRequest(GenerationRequest):
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[ChatTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None  # OpenAI's default: true
+
+    def tool_mode(self) -> Optional[tuple[str, Optional[str]]]:
+        """How the answer may call tools: None (no tools, or ``tool_choice: "none"``),
+        ``("auto", None)`` (OpenAI's default with tools), ``("required", None)``, or
+        ``("function", name)`` for the one function it must call."""
+        choice = self.tool_choice
+        if not self.tools or choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return "function", choice.function.name
+        return choice or "auto", None
 
     def _check(self) -> None:
         super()._check()
@@ -418,18 +434,24 @@ class ChatCompletionRequest(GenerationRequest):
             raise InvalidRequestError(
                 "give max_completion_tokens or its deprecated alias max_tokens, not both", "max_tokens"
             )
-        if self.structured_outputs is not None and self.response_format is not None \
-                and self.response_format.type != "text":
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        constrained = formatted or self.structured_outputs is not None
+        if formatted and self.structured_outputs is not None:
             raise InvalidRequestError("give response_format or structured_outputs, not both",
                                       "structured_outputs")
-        # Not built yet: refused rather than ignored, so nobody gets tool-call text left
-        # unparsed while believing otherwise.
-        if self.tools and self.tool_choice != "none":
-            raise InvalidRequestError(
-                "tools are not supported yet: lmserve does not parse tool calls (send tool_choice "
-                "'none' to show the tools to the model without calls)", "tools")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+        mode = self.tool_mode()
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("tools: two tools have the same name", "tools")
+        if mode is not None and mode[0] == "function" and mode[1] not in names:
+            raise InvalidRequestError(f"tool_choice names function {mode[1]!r}, which is not among "
+                                      f"the tools ({', '.join(names)})", "tool_choice")
+        if mode is not None and constrained:
+            raise InvalidRequestError("a structured answer (response_format or structured_outputs) "
+                                      "cannot be combined with tool calls; send tool_choice 'none'",
+                                      "tool_choice")
 
     def _structured_outputs(self) -> Optional[StructuredOutputsParams]:
         fmt = self.response_format
@@ -492,7 +514,7 @@ class CompletionRequest(GenerationRequest):
 # ---------------------------------------------------------------------------------------------
 # Responses
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 StopReason = Union[int, str, None]
 
 
@@ -517,10 +539,22 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: Optional[list[ChatTokenLogprob]] = None
 
 
+class ChatFunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ChatFunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     refusal: Optional[str] = None
+    tool_calls: Optional[list[ChatToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -541,9 +575,25 @@ class ChatCompletion(BaseModel):
     system_fingerprint: Optional[str] = None
 
 
+class ChatDeltaFunction(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ChatDeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first piece of each ``index`` has id, type and name,
+    the next ones add to its ``arguments``."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: ChatDeltaFunction
+
+
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None  # only on a choice's first chunk
     content: Optional[str] = None
+    tool_calls: Optional[list[ChatDeltaToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):

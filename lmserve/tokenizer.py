@@ -117,6 +117,22 @@ class Tokenizer:
             messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
 
+    @functools.cached_property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template writes the tools it is given into the prompt (probed once)."""
+        probe_tool = {"type": "function", "function": {"name": "lmserve_probe_tool", "parameters": {}}}
+        try:
+            rendered = self.render_chat([{"role": "user", "content": "hi"}], tools=[probe_tool])
+        except Exception:  # noqa: BLE001  (a template may refuse tools in its own way)
+            return False
+        return "lmserve_probe_tool" in rendered
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The chat template's text, or None."""
+        template = self._hf.chat_template
+        return template if isinstance(template, str) or template is None else str(template)
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

@@ -16,7 +16,14 @@ import pytest
 
 from lmserve.bench.cli import add_bench_parser, build_parser, run
 from lmserve.bench.client import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, Target, arrival_times
-from lmserve.bench.datasets import SampleRequest, length_range, random_dataset, shared_prefix_dataset
+from lmserve.bench.datasets import (
+    BENCH_SCHEMA,
+    SampleRequest,
+    json_schema_dataset,
+    length_range,
+    random_dataset,
+    shared_prefix_dataset,
+)
 from lmserve.bench.metrics import RequestResult, compute_metrics, latency_samples, summarize, tpot
 from lmserve.bench.report import RunInfo, format_table, percentile_word, result_dict
 from lmserve.bench.spec_decode import SpecDecodeCounts, parse_spec_decode
@@ -213,6 +220,20 @@ def test_request_bodies():
     chat = Target("http://h", CHAT_ENDPOINT, "m", temperature=0.5).body(request)
     assert chat["messages"] == [{"role": "user", "content": "hi there"}]
     assert chat["max_completion_tokens"] == 7 and "ignore_eos" not in chat
+    constrained = SampleRequest("hi there", 2, 7, json_schema={"type": "object"})
+    chat = Target("http://h", CHAT_ENDPOINT, "m").body(constrained)
+    assert chat["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "bench", "schema": {"type": "object"}}}
+    assert Target("http://h", COMPLETIONS_ENDPOINT, "m").body(constrained)["structured_outputs"] == \
+        {"json": {"type": "object"}}
+
+
+def test_json_schema_dataset_is_the_random_one_asking_for_a_schema(tokenizer):
+    plain = random_dataset(tokenizer, 4, 16, 8, seed=2)
+    constrained = json_schema_dataset(tokenizer, 4, 16, 8, seed=2)
+    assert [r.prompt for r in constrained] == [r.prompt for r in plain]
+    assert all(r.json_schema == BENCH_SCHEMA for r in constrained)
+    assert json_schema_dataset(tokenizer, 1, 16, 8, schema={"type": "object"})[0].json_schema == {"type": "object"}
 
 
 def test_add_bench_parser_sets_handler_and_parser():
@@ -340,6 +361,14 @@ def test_bench_against_lmserve_serve(server_url, tmp_path):
     assert r["spec_decode_acceptance_rate"] == pytest.approx(
         100 * r["spec_decode_accepted_tokens"] / r["spec_decode_draft_tokens"])
     assert 1 <= r["spec_decode_acceptance_length"] <= 4
+
+
+def test_bench_json_schema_dataset_against_lmserve_serve(server_url, tmp_path):
+    r, _ = _bench(server_url, tmp_path, "--dataset", "json-schema", "--num-prompts", "6",
+                  "--random-input-len", "16", "--random-output-len", "40", "--max-concurrency", "3",
+                  "--endpoint", "/v1/chat/completions")
+    assert (r["completed"], r["failed"]) == (6, 0)
+    assert all(0 < n <= 40 for n in r["output_lens"])
 
 
 def test_spec_decode_counters_are_read_from_lmservess_and_vllms_metrics():

@@ -21,6 +21,7 @@ from lmserve.engine.openai_builders import (
     hf_token_bytes,
     token_text,
 )
+from lmserve.generation_defaults import GenerationDefaults
 from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
 from lmserve.protocol import InvalidRequestError
 from lmserve.sampling_params import SamplingParams
@@ -44,6 +45,8 @@ class FakeHF:
 
 class FakeTokenizer:
     max_token_chars = 1  # one character a token
+    chat_template = "<tool_call>"  # reads as a Hermes-style template
+    template_renders_tools = True
 
     def __init__(self) -> None:
         self.hf = FakeHF()
@@ -91,6 +94,7 @@ def scripted(request_id: str, prompt_ids: list[int], params: SamplingParams, fin
 class FakeBackend:
     model_name = "fake-model"
     max_model_len = 64
+    generation_defaults = GenerationDefaults()  # OpenAI's defaults
 
     def __init__(self, script=scripted) -> None:
         self.tokenizer = FakeTokenizer()
@@ -300,7 +304,7 @@ def test_steps_without_visible_news_yield_no_chunk():
         return RequestOutput("id", [0] * 4, list(deltas), finished=False)
 
     first = builder.add(out(SequenceDelta(0, "", [5])))  # the first chunk carries the role even if empty
-    assert [c.choices[0].delta.model_dump() for c in first] == [{"role": "assistant", "content": ""}]
+    assert [c.choices[0].delta.model_dump(exclude_none=True) for c in first] == [{"role": "assistant", "content": ""}]
     assert builder.add(out(SequenceDelta(0, "", [6]))) == []  # text held back as a possible stop string
     last = builder.add(out(SequenceDelta(0, "", [7], finish_reason="stop", stop_reason=7)))
     assert last[0].choices[0].delta.content is None and last[0].choices[0].finish_reason == "stop"

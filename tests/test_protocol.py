@@ -170,13 +170,16 @@ def test_completion_fields():
     assert completion_params(echo=True, n=2, max_tokens=3).n == 2
 
 
-def test_tool_calls_are_refused_not_ignored_until_built():
-    # Tool calls (issue 17): an answer must never silently ignore them.
+def test_tool_choice_becomes_a_tool_mode():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    assert param_of(chat_params, tools=tools) == "tools"
-    assert param_of(chat_params, tools=tools, tool_choice="required") == "tools"
-    assert param_of(chat_params, tool_choice="auto") == "tool_choice"
-    chat_params(tools=tools, tool_choice="none")  # shown to the model, no call expected
+    assert chat(tools=tools).tool_mode() == ("auto", None)
+    assert chat(tools=tools, tool_choice="required").tool_mode() == ("required", None)
+    assert chat(tools=tools, tool_choice="none").tool_mode() is None
+    named = {"type": "function", "function": {"name": "f"}}
+    assert chat(tools=tools, tool_choice=named).tool_mode() == ("function", "f")
+    assert chat().tool_mode() is None
+    assert param_of(chat_params, tool_choice="auto") == "tool_choice"  # no tools
+    assert chat_params(tools=tools, parallel_tool_calls=False).n == 1
 
 
 def test_response_format_and_structured_outputs_become_one_constraint():

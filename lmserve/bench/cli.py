@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from lmserve.bench.datasets import SampleRequest, length_range, random_dataset, shared_prefix_dataset
+from lmserve.bench.datasets import (
+    SampleRequest,
+    json_schema_dataset,
+    length_range,
+    random_dataset,
+    shared_prefix_dataset,
+)
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 _BACKENDS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}  # vLLM's names
@@ -67,9 +74,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                              "one, else the built-in model's)")
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset", choices=("random", "shared-prefix"), default="random",
+    data.add_argument("--dataset", choices=("random", "shared-prefix", "json-schema"), default="random",
                       help="random: prompts of random tokens; shared-prefix: K random prefixes, "
-                           "each followed by distinct random suffixes (default: %(default)s)")
+                           "each followed by distinct random suffixes; json-schema: random prompts, "
+                           "each request asking for output that follows a JSON schema "
+                           "(response_format; structured_outputs on /v1/completions) "
+                           "(default: %(default)s)")
+    data.add_argument("--json-schema", metavar="FILE.json",
+                      help="json-schema: the schema (default: a typical record schema, "
+                           "lmserve.bench.datasets.BENCH_SCHEMA)")
     data.add_argument("--num-prompts", type=_positive_int, default=1000, metavar="N",
                       help="number of requests (default: %(default)s)")
     data.add_argument("--random-input-len", type=_positive_int, default=1024, metavar="I",
@@ -129,6 +142,15 @@ def _dataset(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
         _log(f"sampling input_len from {list(input_range)} and output_len from {list(output_range)}")
         return random_dataset(tokenizer, args.num_prompts, args.random_input_len,
                               args.random_output_len, args.random_range_ratio, args.seed)
+    if args.dataset == "json-schema":
+        schema = None
+        if args.json_schema:
+            with open(args.json_schema, encoding="utf-8") as f:
+                schema = json.load(f)
+        _log(f"sampling input_len from {list(input_range)} and output_len from {list(output_range)}; "
+             f"every request asks for a JSON schema")
+        return json_schema_dataset(tokenizer, args.num_prompts, args.random_input_len,
+                                   args.random_output_len, args.random_range_ratio, args.seed, schema)
     _log(f"{args.num_prefixes} prefixes of {args.shared_prefix_len} tokens; sampling suffix_len "
          f"from {list(input_range)} and output_len from {list(output_range)}")
     return shared_prefix_dataset(tokenizer, args.num_prompts, args.shared_prefix_len,

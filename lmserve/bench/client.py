@@ -65,6 +65,12 @@ class Target:
             body["max_tokens"] = request.output_len
         if self.ignore_eos:
             body["ignore_eos"] = True  # a vLLM extension that lmserve and llama.cpp also take
+        if request.json_schema is not None:
+            if self.endpoint == CHAT_ENDPOINT:
+                body["response_format"] = {"type": "json_schema",
+                                           "json_schema": {"name": "bench", "schema": request.json_schema}}
+            else:  # vLLM's extension of text completions, which lmserve also takes
+                body["structured_outputs"] = {"json": request.json_schema}
         return body
 
 

@@ -1,4 +1,5 @@
-"""Synthetic benchmark prompts: ``random`` and ``shared-prefix``.
+"""Synthetic benchmark prompts: ``random``, ``shared-prefix`` and ``json-schema`` (random prompts,
+each request asking for output that follows a JSON schema).
 
 Lengths follow vLLM ``bench serve``'s random dataset: with base length ``L`` and range ratio
 ``R`` (0 <= R < 1), each request's length is drawn uniformly from the integers
@@ -13,8 +14,10 @@ reported ``prompt_len`` is what the tokenizer measures, not a target.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 
@@ -32,6 +35,26 @@ class SampleRequest:
     prompt: str
     prompt_len: int
     output_len: int
+    json_schema: Optional[dict[str, Any]] = None  # the output must follow it (structured output)
+
+
+# A typical structured-output schema (a record with nested objects, an enum, a bounded list); its
+# list of free-form notes lets an answer run as long as the benchmark asks.
+BENCH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "format": "email"},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "address": {"type": "object", "properties": {
+            "street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["street", "city", "zip"]},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+        "notes": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "email", "role", "address", "tags", "notes"],
+}
 
 
 def length_range(length: int, range_ratio: float, minimum: int = 1) -> tuple[int, int]:
@@ -91,6 +114,16 @@ def random_dataset(tokenizer: PromptTokenizer, num_prompts: int, input_len: int,
         text, ids = builder.build([], n_in)
         requests.append(SampleRequest(text, len(ids), n_out))
     return requests
+
+
+def json_schema_dataset(tokenizer: PromptTokenizer, num_prompts: int, input_len: int, output_len: int,
+                        range_ratio: float = 0.0, seed: int = 0,
+                        schema: Optional[dict[str, Any]] = None) -> list[SampleRequest]:
+    """The ``random`` dataset's requests, each asking for output that follows ``schema``
+    (``BENCH_SCHEMA`` by default): what constraining every request costs."""
+    schema = schema or BENCH_SCHEMA
+    return [dataclasses.replace(r, json_schema=schema)
+            for r in random_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)]
 
 
 def shared_prefix_dataset(tokenizer: PromptTokenizer, num_prompts: int, prefix_len: int,

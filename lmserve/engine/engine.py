@@ -14,6 +14,8 @@ from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
 from lmserve.engine.loop import EngineLoop
 from lmserve.engine.openai_api import Chat, Completions
+from lmserve.generation_defaults import read_generation_defaults
+from lmserve.models.loader import resolve_model_path
 from lmserve.outputs import EngineStats, RequestOutput
 from lmserve.sampling_params import SamplingParams
 
@@ -40,13 +42,20 @@ class EngineBase:
     """What the sync and async engines share: loading, the engine thread, and the tokenizer."""
 
     def __init__(self, model: Optional[str] = None, *, config: Optional[EngineConfig] = None,
-                 **overrides) -> None:
+                 generation_config: str = "auto", **overrides) -> None:
+        """``generation_config``: ``"auto"`` fills the sampling fields a chat or completion request
+        leaves unset with the model's defaults (``generation_config.json``, or llama.cpp's for
+        a GGUF file); ``"none"`` leaves OpenAI's (see ``lmserve.generation_defaults``)."""
         self.config = make_config(model, config, overrides)
+        self.generation_defaults = read_generation_defaults(resolve_model_path(self.config.model),
+                                                            generation_config)
         if self.config.verbose and not logging.getLogger("lmserve").handlers:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(asctime)s lmserve: %(message)s"))
             logging.getLogger("lmserve").addHandler(handler)
             logging.getLogger("lmserve").setLevel(logging.INFO)
+        if self.config.verbose:
+            logging.getLogger("lmserve").info("%s", self.generation_defaults.describe())
         self._loop = EngineLoop(lambda: EngineCore(self.config))
         self._core = self._loop.core
         self.tokenizer = self._core.tokenizer
@@ -93,8 +102,8 @@ class Engine(EngineBase):
     """
 
     def __init__(self, model: Optional[str] = None, *, config: Optional[EngineConfig] = None,
-                 **overrides) -> None:
-        super().__init__(model, config=config, **overrides)
+                 generation_config: str = "auto", **overrides) -> None:
+        super().__init__(model, config=config, generation_config=generation_config, **overrides)
         self.chat = Chat(self)
         self.completions = Completions(self)
 

@@ -11,7 +11,9 @@ the sync and async facades. What they need from their backend (the engine) is sp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
@@ -42,7 +44,12 @@ from lmserve.protocol import (
     GenerationRequest,
     InvalidRequestError,
 )
+from lmserve.generation_defaults import GenerationDefaults
 from lmserve.sampling_params import SamplingParams
+from lmserve.structured.json_schema import SchemaError, check_schema
+from lmserve.structured.params import StructuredOutputsParams
+from lmserve.tools.formats import ToolFormat, format_for_template
+from lmserve.tools.prompt import tool_messages
 
 _T = TypeVar("_T")
 
@@ -58,6 +65,8 @@ class TokenizerLike(Protocol):
     # The most characters of text one token stands for: a text longer than the context times
     # this cannot fit, and is refused without tokenizing it.
     max_token_chars: int
+    chat_template: Optional[str]  # the template's text, to tell its tool-call format
+    template_renders_tools: bool  # whether the template writes the tools it is given
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Text -> token ids; ``add_special_tokens`` adds the BOS the model expects at the start."""
@@ -74,6 +83,7 @@ class _BackendBase(Protocol):
     tokenizer: TokenizerLike
     model_name: str  # reported in responses; a request naming another model is refused
     max_model_len: int  # prompt plus generated tokens must fit in this
+    generation_defaults: GenerationDefaults  # the model's sampling defaults for unset fields
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` for a request the engine would refuse (any thread)."""
@@ -124,14 +134,16 @@ def _check_model(request: GenerationRequest, backend: _BackendBase) -> None:
             f"model {request.model!r} is not served here (this is {backend.model_name!r})", "model")
 
 
-def _sampling_params(request: GenerationRequest, prompt_len: int, max_model_len: int,
+def _sampling_params(request: GenerationRequest, prompt_len: int, backend: _BackendBase,
                      prompt_param: str) -> SamplingParams:
-    """The request's SamplingParams for one prompt, which together must fit the context."""
+    """The request's SamplingParams for one prompt, which together must fit the context; the
+    model's sampling defaults fill what the request leaves unset."""
+    max_model_len = backend.max_model_len
     room = max_model_len - prompt_len
     if room < 1:
         raise InvalidRequestError(f"the prompt has {prompt_len} tokens, which leaves no room to generate "
                                   f"in the model's context of {max_model_len} tokens", prompt_param)
-    params = request.to_sampling_params(default_max_tokens=room)
+    params = request.to_sampling_params(default_max_tokens=room, defaults=backend.generation_defaults.values)
     if params.max_tokens is not None and params.max_tokens > room:
         raise InvalidRequestError(
             f"{request.max_tokens_param} is {params.max_tokens}, but the prompt has {prompt_len} tokens "
@@ -180,20 +192,54 @@ def _prepare_chat(backend: _BackendBase, limits: RequestLimits, kwargs: dict[str
     _check_model(request, backend)
     limits.check(request.stop_strings(), 1, request.n or 1)
     check_text_fits(sum(_text_chars(m.content) for m in request.messages), backend, "messages")
+    tokenizer = backend.tokenizer
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+    mode = request.tool_mode()
+    fmt = format_for_template(tokenizer.chat_template, tokenizer.template_renders_tools) if tools else None
+    messages = [template_message(m) for m in request.messages]
+    if fmt is not None:
+        messages, tools = tool_messages(messages, tools, fmt, tokenizer.template_renders_tools,
+                                        show_tool_prompt=mode is not None)
     try:
-        prompt = backend.tokenizer.apply_chat_template([template_message(m) for m in request.messages],
-                                                       add_generation_prompt=True, tools=tools)
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except (ValueError, jinja2.TemplateError) as err:  # no template, or it refuses these messages
         raise InvalidRequestError(f"cannot render the chat template: {err}", "messages") from None
-    params = _sampling_params(request, len(prompt), backend.max_model_len, "messages")
+    params = _sampling_params(request, len(prompt), backend, "messages")
+    if mode is not None:
+        params = _with_tool_grammar(params, request, fmt, mode)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     common = dict(request_id=request_id, model=backend.model_name, created=int(time.time()),
-                  prompt_tokens=len(prompt), token_bytes=_lazy_token_bytes(backend.tokenizer))
+                  prompt_tokens=len(prompt), token_bytes=_lazy_token_bytes(tokenizer),
+                  tool_format=fmt if mode is not None else None)
     builder: Union[ChatStreamBuilder, ChatResponseBuilder] = (
         ChatStreamBuilder(**common, include_usage=request.wants_usage_chunk) if request.stream
         else ChatResponseBuilder(**common))
     return PreparedRequest(_validated(backend, [(request_id, prompt, params)]), bool(request.stream), builder)
+
+
+def _with_tool_grammar(params: SamplingParams, request: ChatCompletionRequest, fmt: ToolFormat,
+                       mode: tuple[str, Optional[str]]) -> SamplingParams:
+    """``params`` with the grammar that makes the model's calls valid: calls only (``required``,
+    a named function), or valid calls once it opens one (``auto``)."""
+    functions = [t.function.model_dump(exclude_none=True) for t in request.tools or ()]
+    for i, function in enumerate(functions):
+        try:
+            check_schema(function.get("parameters") or {})
+        except SchemaError as err:
+            raise InvalidRequestError(f"tools.{i}.function.parameters: the JSON schema at {err}",
+                                      "tools") from None
+    kind, name = mode
+    if kind == "function":
+        functions = [f for f in functions if f["name"] == name]
+    tag = fmt.structural_tag(functions, required=kind != "auto",
+                             parallel=kind != "function" and request.parallel_tool_calls is not False)
+    if tag is None:
+        return params
+    try:
+        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
+            structural_tag=json.dumps(tag), origin="tools"))
+    except ValueError as err:  # a combination SamplingParams refuses (min_tokens)
+        raise InvalidRequestError(str(err), "tools") from None
 
 
 def _prepare_completion(backend: _BackendBase, limits: RequestLimits, kwargs: dict[str, Any]) -> PreparedRequest:
@@ -209,7 +255,7 @@ def _prepare_completion(backend: _BackendBase, limits: RequestLimits, kwargs: di
     for i, text in enumerate(texts):
         # A text prompt starts the sequence, so it gets the model's BOS (chat templates write theirs).
         ids = backend.tokenizer.encode(text, add_special_tokens=True) if isinstance(text, str) else list(text)
-        params = _sampling_params(request, len(ids), backend.max_model_len, "prompt")
+        params = _sampling_params(request, len(ids), backend, "prompt")
         run_id = request_id if len(texts) == 1 else f"{request_id}-{i}"
         echo = (text if isinstance(text, str) else backend.tokenizer.decode(ids)) if request.echo else None
         runs.append((run_id, ids, params))

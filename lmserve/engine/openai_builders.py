@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
+from lmserve.tools.formats import ToolFormat
+from lmserve.tools.parser import ToolCallPiece, ToolCallStream
 from lmserve.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -22,8 +24,12 @@ from lmserve.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChatDeltaFunction,
+    ChatDeltaToolCall,
+    ChatFunctionCall,
     ChatMessage,
     ChatTokenLogprob,
+    ChatToolCall,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
@@ -186,8 +192,15 @@ class ChatStreamBuilder(_StreamBuilder):
 
     One chunk per choice that has news, as OpenAI sends them. A choice's first chunk carries
     ``role: "assistant"``, its last one the ``finish_reason``; steps where a choice produced
-    nothing visible (text held back as a possible stop string) yield no chunk for it.
+    nothing visible (text held back as a possible stop string or call tag) yield no chunk for it.
+    With ``tool_format``, tool calls in the text become ``delta.tool_calls`` pieces and a choice
+    that called a tool and stopped finishes with ``"tool_calls"``.
     """
+
+    def __init__(self, *args: Any, tool_format: Optional[ToolFormat] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tool_format = tool_format
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
@@ -198,14 +211,21 @@ class ChatStreamBuilder(_StreamBuilder):
         chunks = []
         for delta in output.deltas:
             _, first = self._advance(delta.index, delta)
-            if not (first or delta.text or delta.logprobs or delta.finish_reason):
+            text, pieces, finish = delta.text, [], delta.finish_reason
+            if self._tool_format is not None:
+                calls = self._tool_streams.setdefault(delta.index, ToolCallStream(self._tool_format))
+                text, pieces = calls.feed(delta.text, final=finish is not None)
+                if finish == "stop" and calls.num_calls:
+                    finish = "tool_calls"
+            if not (first or text or pieces or delta.logprobs or finish):
                 continue
             choice = ChatChunkChoice(
                 index=delta.index,
                 delta=ChatDelta(role="assistant" if first else None,
-                                content=delta.text if delta.text or first else None),
+                                content=text if text or first else None,
+                                tool_calls=[_delta_tool_call(p) for p in pieces] or None),
                 logprobs=None if delta.logprobs is None else chat_logprobs(delta.logprobs, self.token_bytes),
-                finish_reason=delta.finish_reason,
+                finish_reason=finish,
                 stop_reason=delta.stop_reason,
             )
             chunks.append(self._chunk([choice]))
@@ -214,6 +234,23 @@ class ChatStreamBuilder(_StreamBuilder):
     def finish(self) -> list[ChatCompletionChunk]:
         """What follows the last output: the usage chunk (no choices) when it was asked for."""
         return [self._chunk([], self.usage)] if self.include_usage else []
+
+
+def _delta_tool_call(piece: ToolCallPiece) -> ChatDeltaToolCall:
+    return ChatDeltaToolCall(index=piece.index, id=piece.id, type="function" if piece.id else None,
+                             function=ChatDeltaFunction(name=piece.name, arguments=piece.arguments))
+
+
+def _fold_tool_calls(parts: list[ChatChunkChoice]) -> Optional[list[ChatToolCall]]:
+    """A choice's streamed tool-call pieces as whole calls, as a client reassembles them."""
+    calls: dict[int, ChatToolCall] = {}
+    for part in parts:
+        for piece in part.delta.tool_calls or ():
+            if piece.index not in calls:
+                calls[piece.index] = ChatToolCall(id=piece.id, function=ChatFunctionCall(
+                    name=piece.function.name, arguments=""))
+            calls[piece.index].function.arguments += piece.function.arguments or ""
+    return [calls[i] for i in sorted(calls)] or None
 
 
 @dataclass(frozen=True)
@@ -301,8 +338,9 @@ class ChatResponseBuilder(_ResponseBuilder):
     """``RequestOutput``s of one chat request -> one ``ChatCompletion`` with usage."""
 
     def __init__(self, request_id: str, model: str, created: int, prompt_tokens: int,
-                 token_bytes: TokenBytes) -> None:
-        super().__init__(ChatStreamBuilder(request_id, model, created, prompt_tokens, token_bytes))
+                 token_bytes: TokenBytes, tool_format: Optional[ToolFormat] = None) -> None:
+        super().__init__(ChatStreamBuilder(request_id, model, created, prompt_tokens, token_bytes,
+                                           tool_format=tool_format))
         self._stream: ChatStreamBuilder
 
     def build(self) -> ChatCompletion:
@@ -311,9 +349,12 @@ class ChatResponseBuilder(_ResponseBuilder):
         for parts in self._finished_parts():
             logprobs = [lp for p in parts if p.logprobs is not None for lp in p.logprobs.content]
             has_logprobs = any(p.logprobs is not None for p in parts)
+            content = "".join(p.delta.content or "" for p in parts)
+            tool_calls = _fold_tool_calls(parts)
             choices.append(ChatChoice(
                 index=parts[0].index,
-                message=ChatMessage(content="".join(p.delta.content or "" for p in parts)),
+                message=ChatMessage(content=None if tool_calls and not content else content,
+                                    tool_calls=tool_calls),
                 logprobs=ChatChoiceLogprobs(content=logprobs) if has_logprobs else None,
                 finish_reason=parts[-1].finish_reason,
                 stop_reason=parts[-1].stop_reason,

@@ -23,6 +23,7 @@ class ServedModel:
         self.metrics = metrics
         self.model_name = name or engine.model_name
         self.max_model_len = engine.max_model_len
+        self.generation_defaults = engine.generation_defaults
 
     @property
     def tokenizer(self) -> Any:
