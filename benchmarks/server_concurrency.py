@@ -38,13 +38,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
     raise TimeoutError("server did not become ready")
 
 
-def bench(lmserve: list[str], url: str, concurrency: int, seed: int, dataset: str = "random") -> dict:
-    """One ``lmserve bench`` run at ``concurrency``: max(64, 2C) requests, its result file's dict."""
+def bench(lmserve: list[str], url: str, concurrency: int, seed: int, dataset: str = "random",
+          num_prompts: int = 0) -> dict:
+    """One ``lmserve bench`` run at ``concurrency``: ``num_prompts`` requests (default max(64, 2C)),
+    its result file's dict."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_file = f.name
     try:
         subprocess.run([*lmserve, "bench", "--base-url", url, "--dataset", dataset,
-                        "--num-prompts", str(max(64, 2 * concurrency)), "--random-input-len", "261",
+                        "--num-prompts", str(num_prompts or max(64, 2 * concurrency)), "--random-input-len", "261",
                         "--random-output-len", "128", "--random-range-ratio", "0",
                         "--ignore-eos", "--max-concurrency", str(concurrency), "--no-progress",
                         # new prompts for every run: the prefix cache must not serve them

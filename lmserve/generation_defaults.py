@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmserve.sampling_params import SamplingParams
+
 # The sampling fields a model may set defaults for (generation_config.json's names).
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # llama.cpp's defaults (common/common.h, llama-server and llama-cli).
@@ -56,5 +58,9 @@ def read_generation_defaults(model_path: str, mode: str = "auto") -> GenerationD
     except FileNotFoundError:
         return GenerationDefaults(source="the model has no generation_config.json: OpenAI's defaults apply")
     values = {k: config[k] for k in FIELDS if config.get(k) is not None}
+    try:  # a bad value is the model's fault: refused at start, not in every request
+        SamplingParams(**values)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     return GenerationDefaults(values, "from generation_config.json" if values
                               else "generation_config.json sets none: OpenAI's defaults apply")

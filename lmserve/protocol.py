@@ -217,9 +217,7 @@ class StructuredOutputs(_Strict):
     """vLLM's ``structured_outputs`` request field: exactly one constraint (see
     ``lmserve.structured.params.StructuredOutputsParams``)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-
-    # "json" would shadow a BaseModel attribute, hence the alias.
+    # "json" would shadow a BaseModel attribute, hence the alias (the only name a request may use).
     json_value: Union[dict[str, Any], str, None] = Field(None, alias="json")
     json_object: Optional[bool] = None
     regex: Optional[str] = None

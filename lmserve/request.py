@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lmserve.sampling_params import SamplingParams
+    from lmserve.structured.matcher import SequenceGrammar
 
 
 class SeqStatus(enum.Enum):
@@ -58,8 +59,8 @@ class Sequence:
     output_state: Any = None
     # Per-choice state of the speculative drafter, owned by it.
     draft_state: Any = None
-    # Structured output: its place in the request's grammar (a SequenceGrammar), or None.
-    grammar: Any = None
+    # Structured output: its place in the request's grammar, or None.
+    grammar: Optional["SequenceGrammar"] = None
 
     @property
     def num_prompt_tokens(self) -> int:

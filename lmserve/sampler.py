@@ -24,7 +24,7 @@ from typing import Optional, Union
 import torch
 
 from lmserve.sampling_params import SamplingParams
-from lmserve.structured.matcher import apply_bitmask
+from lmserve.structured.xgrammar_lib import apply_bitmask
 
 # Dividing float32 logits by a temperature below this can overflow them to inf (and the
 # softmax to NaN); the distribution there is already a point mass on the argmax.

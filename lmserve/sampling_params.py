@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lmserve.structured.params import StructuredOutputsParams
+
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; more only slows the per-token stop-string scan
 MAX_LOGPROBS = 20  # OpenAI's limit on top alternatives per position
 MAX_PENALTY = 2.0  # OpenAI's range for frequency and presence penalties is [-2, 2]

@@ -8,13 +8,15 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lmserve.models.gguf_reader import read_gguf_args
 from lmserve.models.loader import resolve_model_path
+
+TokenBytes = Callable[[int], bytes]  # token id -> the raw bytes it stands for
 
 # Stands in for an assistant reply when rendering the template to find its end-of-turn token.
 _PROBE = "LMSERVE_END_OF_TURN_PROBE"
@@ -246,3 +248,40 @@ def _generation_config_eos_ids(model_dir: str) -> list[int]:
     with open(path, encoding="utf-8") as f:
         eos = json.load(f).get("eos_token_id")
     return [int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
+
+
+def _gpt2_char_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's byte-to-printable-character table used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shifted = (b for b in range(256) if b not in table.values())
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
+def hf_token_bytes(hf: Any) -> TokenBytes:
+    """``token id -> raw bytes`` for a Hugging Face tokenizer.
+
+    ``decode([id])`` is not enough: it drops SentencePiece's leading space and turns a token that
+    holds part of a UTF-8 character into U+FFFD. So read the vocabulary piece instead and undo
+    the vocabulary's own byte encoding: GPT-2's printable-character table for byte-level BPE,
+    ``▁`` for space and ``<0xNN>`` byte-fallback pieces for SentencePiece. Added tokens (chat
+    markers and the like) are stored as plain text.
+    """
+    probe = hf.convert_ids_to_tokens(hf.encode(" a", add_special_tokens=False))
+    byte_level = any("Ġ" in piece for piece in probe)  # GPT-2's spelling of a space
+    char_to_byte = _gpt2_char_to_byte()
+    added = set(hf.get_added_vocab().values())
+
+    def token_bytes(token_id: int) -> bytes:
+        piece = hf.convert_ids_to_tokens(token_id)
+        if token_id in added:
+            return piece.encode()
+        if byte_level and all(c in char_to_byte for c in piece):
+            return bytes(char_to_byte[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("▁", " ").encode()
+
+    return token_bytes

@@ -262,6 +262,13 @@ def test_bad_flags_are_refused(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_schema_file_needs_the_json_schema_dataset(capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        run(parser.parse_args(["--json-schema", "s.json"]), parser)
+    assert "--json-schema needs --dataset json-schema" in capsys.readouterr().err
+
+
 def test_unreachable_server_is_an_error_not_a_traceback(tiny_model_dir, capsys):
     port = _free_port()  # nothing listens there
     parser = build_parser()

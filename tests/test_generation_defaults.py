@@ -25,6 +25,9 @@ def test_a_gguf_file_gets_llama_cpp_defaults_and_a_directory_its_generation_conf
     assert read_generation_defaults(str(tmp_path)).values == {}
     assert read_generation_defaults(str(tmp_path / "missing")).values == {}
     assert read_generation_defaults(builtin_model_path(), "none").values == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json: temperature"):
+        read_generation_defaults(str(tmp_path))  # the model's fault, at start, not in each request
     with pytest.raises(ValueError, match="generation_config"):
         read_generation_defaults(builtin_model_path(), "vllm")
 

@@ -18,13 +18,13 @@ from lmserve.engine.openai_builders import (
     ChatResponseBuilder,
     ChatStreamBuilder,
     RequestAborted,
-    hf_token_bytes,
     token_text,
 )
 from lmserve.generation_defaults import GenerationDefaults
 from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
 from lmserve.protocol import InvalidRequestError
 from lmserve.sampling_params import SamplingParams
+from lmserve.tokenizer import hf_token_bytes
 
 BOS = 1
 MESSAGES = [{"role": "user", "content": "Hi"}]

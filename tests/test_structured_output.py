@@ -63,6 +63,20 @@ def follows_person(value) -> bool:
     ({"anyOf": [{"type": "integer"}, {"nullable": True}]}, "/anyOf/1/nullable"),
     ({"properties": []}, "/properties"),
     ([], ""),
+    # Rules xgrammar drops beside $ref, enum, const and the combinators, or in other places.
+    ({"$ref": "#/$defs/a", "maxLength": 2, "$defs": {"a": {"type": "string"}}}, "/maxLength"),
+    ({"type": "object", "properties": {"a": {}}, "anyOf": [{"required": ["a"]}]}, "/type"),
+    ({"type": "string", "enum": ["a", 1]}, "/type"),
+    ({"type": "integer", "const": "x"}, "/type"),
+    ({"enum": ["a"], "maxLength": 0}, "/maxLength"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, "/required"),
+    ({"type": "number", "multipleOf": 2}, "/multipleOf"),
+    ({"type": "object", "unevaluatedProperties": False, "additionalProperties": True}, "/unevaluatedProperties"),
+    # Malformed values: a 400 naming them, never a TypeError.
+    ({"type": {"a": 1}}, "/type"),
+    ({"allOf": 5}, "/allOf"),
+    ({"properties": {"a": {"format": {}}}}, "/properties/a/format"),
+    ({"required": "a"}, "/required"),
 ])
 def test_keywords_the_grammar_cannot_enforce_are_refused_with_their_pointer(schema, pointer):
     with pytest.raises(SchemaError) as err:
@@ -73,8 +87,9 @@ def test_keywords_the_grammar_cannot_enforce_are_refused_with_their_pointer(sche
 def test_schemas_made_of_enforced_keywords_pass():
     check_schema(PERSON)
     check_schema({"$defs": {"Pet": {"enum": ["a"], "title": "Pet", "type": "string"}},
-                  "anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}], "description": "x",
-                  "allOf": [{"type": ["string", "null"]}]})
+                  "anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}], "description": "x"})
+    check_schema({"allOf": [{"$ref": "#/$defs/A"}], "description": "x", "$defs": {"A": {"type": "integer",
+                                                                                      "multipleOf": 3}}})
     check_schema(True)
 
 
@@ -164,6 +179,8 @@ def test_constrained_rows_leave_unconstrained_ones_untouched(builtin_engine):
     (Constraint(regex="(unclosed"), "parenthesis"),
     (Constraint(grammar="root ::= undefined_rule"), "undefined_rule"),
     (Constraint(structural_tag="{}"), "structural_tag"),
+    (Constraint(structural_tag=json.dumps({"type": "structural_tag", "format": {
+        "type": "json_schema", "json_schema": {"type": "array", "uniqueItems": True}}})), "/uniqueItems"),
 ])
 def test_invalid_constraints_are_refused_before_they_run(builtin_engine, constraint, words):
     prompt = chat_prompt(builtin_engine, "hi")
@@ -206,5 +223,16 @@ def test_speculation_keeps_constrained_output_identical(builtin_engine, width):
         got = [generate_tokens(spec, p, params) for p, params in runs]
         assert got == want
         assert spec.stats().spec_num_accepted_tokens > 0
+        # Prompt lookup drafts the end of turn after "}" from an earlier answer in the history:
+        # a draft path past the grammar's end is no row to fill (once a crash of the whole step).
+        history = builtin_engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "JSON please."}, {"role": "assistant", "content": '{"a": 1}'},
+             {"role": "user", "content": "Again, the same JSON."}])
+        params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=Constraint(regex=r'\{"a": [0-9]\}'))
+        before = spec.stats().spec_num_accepted_tokens
+        tokens = generate_tokens(spec, history, params)
+        assert tokens == generate_tokens(builtin_engine, history, params)
+        assert re.fullmatch(r'\{"a": [0-9]\}', builtin_engine.tokenizer.decode(tokens))
+        assert spec.stats().spec_num_accepted_tokens > before
     finally:
         spec.shutdown()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -72,6 +73,15 @@ def test_text_that_only_looks_like_a_tag_is_content():
     assert run_stream(TOOL_FORMATS["llama3_json"], ["  Hello {x}"]) == ("  Hello {x}", [])
 
 
+def test_tags_and_separators_inside_json_strings_stay_in_the_call():
+    tricky = [{"name": "add", "arguments": '{"note": "a </tool_call> b; c"}'}]
+    for name in ("hermes", "smollm2", "llama3_json"):
+        fmt = TOOL_FORMATS[name]
+        text = fmt.render_calls(tricky)
+        assert run_stream(fmt, [text]) == ("", tricky), name
+        assert run_stream(fmt, list(text)) == ("", tricky), name
+
+
 def test_the_template_tells_the_format():
     assert format_for_template("... <tool_call> ...", True).name == "hermes"
     assert format_for_template("... <|python_tag|> ...", True).name == "llama3_json"
@@ -108,6 +118,9 @@ def test_required_calls_must_name_a_tool_with_valid_arguments(compiler, name):
         assert accepts(auto, "No tool is needed.")
         assert accepts(auto, "Let me look. " + fmt.render_calls(CALLS[:1]))
         assert not accepts(auto, "Let me look. " + bad_args)
+        if not fmt.one_call_per_block:  # the family's "no call needed" is allowed in auto only
+            assert accepts(auto, "<tool_call>[]</tool_call>")
+            assert not accepts(required, "<tool_call>[]</tool_call>")
 
 
 def test_one_call_unless_parallel(compiler):
@@ -142,6 +155,15 @@ def test_a_template_with_tools_gets_them_and_argument_objects():
     messages, tools = tool_messages(history, TOOLS, TOOL_FORMATS["hermes"], template_renders_tools=True,
                                     show_tool_prompt=True)
     assert tools == TOOLS and messages[0]["tool_calls"][0]["function"]["arguments"] == {"a": 2, "b": 3}
+
+
+def test_a_template_with_an_unknown_call_format_refuses_tool_calls():
+    backend = FakeBackend(scripted_call)
+    backend.tokenizer.chat_template = "[TOOL_CALLS] ..."  # renders tools, in a format lmserve cannot read
+    with pytest.raises(InvalidRequestError, match="cannot read") as err:
+        Chat(backend).completions.create(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    assert err.value.param == "tool_choice"
+    Chat(backend).completions.create(messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="none")
 
 
 def test_tool_requests_are_checked():
@@ -268,3 +290,13 @@ def test_a_tool_schema_that_cannot_be_enforced_is_a_400(builtin_client):
         builtin_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                                tools=tools, tool_choice="required", max_tokens=5)
     assert err.value.body["param"] == "tools" and "/properties/x/not" in err.value.body["message"]
+
+
+def test_tokenize_renders_tools_as_the_chat_does(builtin_server, builtin_client):
+    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+    chat = builtin_client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=1)
+    counted = httpx.post(builtin_server.base_url + "/tokenize",
+                         json={"model": MODEL, "messages": messages, "tools": TOOLS}).json()["count"]
+    plain = httpx.post(builtin_server.base_url + "/tokenize",
+                       json={"model": MODEL, "messages": messages}).json()["count"]
+    assert counted == chat.usage.prompt_tokens > plain + 100  # lmserve's tool prompt is in both

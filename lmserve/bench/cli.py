@@ -160,6 +160,8 @@ def _dataset(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest]:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the benchmark ``args`` describe; returns the exit status (1 if nothing succeeded)."""
+    if args.json_schema and args.dataset != "json-schema":
+        parser.error("--json-schema needs --dataset json-schema")
     # aiohttp, tqdm and the tokenizers load only here, so `lmserve --help` stays quick.
     import aiohttp
 

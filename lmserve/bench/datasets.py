@@ -121,7 +121,7 @@ def json_schema_dataset(tokenizer: PromptTokenizer, num_prompts: int, input_len:
                         schema: Optional[dict[str, Any]] = None) -> list[SampleRequest]:
     """The ``random`` dataset's requests, each asking for output that follows ``schema``
     (``BENCH_SCHEMA`` by default): what constraining every request costs."""
-    schema = schema or BENCH_SCHEMA
+    schema = BENCH_SCHEMA if schema is None else schema
     return [dataclasses.replace(r, json_schema=schema)
             for r in random_dataset(tokenizer, num_prompts, input_len, output_len, range_ratio, seed)]
 

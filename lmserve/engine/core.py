@@ -118,10 +118,11 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params)
-        grammar = params.structured_outputs and self.grammars.compile(params.structured_outputs)
+        # Compiled by validate() in the caller's thread: this finds it in xgrammar's cache.
+        compiled = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         for i in range(params.n):
             req.seqs.append(Sequence(req, i, list(prompt_token_ids), _seed(params, i),
-                                     grammar=grammar and SequenceGrammar(grammar)))
+                                     grammar=None if compiled is None else SequenceGrammar(compiled)))
         self.requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)

@@ -29,8 +29,6 @@ from lmserve.engine.openai_builders import (
     CompletionPrompt,
     CompletionResponseBuilder,
     CompletionStreamBuilder,
-    TokenBytes,
-    hf_token_bytes,
 )
 from lmserve.engine.limits import RequestLimits
 from lmserve.engine.stop import prepare_stops
@@ -48,7 +46,8 @@ from lmserve.generation_defaults import GenerationDefaults
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured.json_schema import SchemaError, check_schema
 from lmserve.structured.params import StructuredOutputsParams
-from lmserve.tools.formats import ToolFormat, format_for_template
+from lmserve.tokenizer import TokenBytes, hf_token_bytes
+from lmserve.tools.formats import TOOL_FORMATS, ToolFormat, format_for_template
 from lmserve.tools.prompt import tool_messages
 
 _T = TypeVar("_T")
@@ -195,15 +194,12 @@ def _prepare_chat(backend: _BackendBase, limits: RequestLimits, kwargs: dict[str
     tokenizer = backend.tokenizer
     tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     mode = request.tool_mode()
-    fmt = format_for_template(tokenizer.chat_template, tokenizer.template_renders_tools) if tools else None
-    messages = [template_message(m) for m in request.messages]
-    if fmt is not None:
-        messages, tools = tool_messages(messages, tools, fmt, tokenizer.template_renders_tools,
-                                        show_tool_prompt=mode is not None)
-    try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-    except (ValueError, jinja2.TemplateError) as err:  # no template, or it refuses these messages
-        raise InvalidRequestError(f"cannot render the chat template: {err}", "messages") from None
+    prompt, fmt = render_chat_prompt(tokenizer, [template_message(m) for m in request.messages], tools,
+                                     show_tool_prompt=mode is not None)
+    if mode is not None and fmt is None:
+        raise InvalidRequestError("this model's chat template writes tool calls in a format lmserve "
+                                  "cannot read yet (it reads: " + ", ".join(TOOL_FORMATS) + "); send "
+                                  "tool_choice 'none' to show the tools without calls", "tool_choice")
     params = _sampling_params(request, len(prompt), backend, "messages")
     if mode is not None:
         params = _with_tool_grammar(params, request, fmt, mode)
@@ -217,24 +213,42 @@ def _prepare_chat(backend: _BackendBase, limits: RequestLimits, kwargs: dict[str
     return PreparedRequest(_validated(backend, [(request_id, prompt, params)]), bool(request.stream), builder)
 
 
+def render_chat_prompt(tokenizer: TokenizerLike, messages: list[dict[str, Any]],
+                       tools: Optional[list[dict[str, Any]]], show_tool_prompt: bool,
+                       add_generation_prompt: bool = True) -> tuple[list[int], Optional[ToolFormat]]:
+    """The prompt ids of a chat (template messages) with its tools (OpenAI tool dicts), as the
+    chat endpoint renders it, and the tool-call format of the model (None without tools).
+    ``show_tool_prompt``: write lmserve's tool prompt where the template cannot show the tools
+    (not for ``tool_choice: "none"``). Raises ``InvalidRequestError`` when the template fails."""
+    fmt = format_for_template(tokenizer.chat_template, tokenizer.template_renders_tools) if tools else None
+    if fmt is not None:
+        messages, tools = tool_messages(messages, tools, fmt, tokenizer.template_renders_tools,
+                                        show_tool_prompt)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tools=tools), fmt
+    except (ValueError, jinja2.TemplateError) as err:  # no template, or it refuses these messages
+        raise InvalidRequestError(f"cannot render the chat template: {err}", "messages") from None
+
+
 def _with_tool_grammar(params: SamplingParams, request: ChatCompletionRequest, fmt: ToolFormat,
                        mode: tuple[str, Optional[str]]) -> SamplingParams:
     """``params`` with the grammar that makes the model's calls valid: calls only (``required``,
-    a named function), or valid calls once it opens one (``auto``)."""
+    a named function), or valid calls once it opens one (``auto``). Each tool's parameters must
+    be a schema the grammar enforces."""
     functions = [t.function.model_dump(exclude_none=True) for t in request.tools or ()]
+    kind, name = mode
+    chosen = [f for f in functions if kind != "function" or f["name"] == name]
+    tag = fmt.structural_tag(chosen, required=kind != "auto",
+                             parallel=kind != "function" and request.parallel_tool_calls is not False)
+    if tag is None:
+        return params
     for i, function in enumerate(functions):
         try:
             check_schema(function.get("parameters") or {})
         except SchemaError as err:
             raise InvalidRequestError(f"tools.{i}.function.parameters: the JSON schema at {err}",
                                       "tools") from None
-    kind, name = mode
-    if kind == "function":
-        functions = [f for f in functions if f["name"] == name]
-    tag = fmt.structural_tag(functions, required=kind != "auto",
-                             parallel=kind != "function" and request.parallel_tool_calls is not False)
-    if tag is None:
-        return params
     try:
         return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
             structural_tag=json.dumps(tag), origin="tools"))

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import codecs
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
-from lmserve.tools.formats import ToolFormat
-from lmserve.tools.parser import ToolCallPiece, ToolCallStream
 from lmserve.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -36,8 +34,10 @@ from lmserve.protocol import (
     TopLogprob,
     Usage,
 )
+from lmserve.tokenizer import TokenBytes
+from lmserve.tools.formats import ToolFormat
+from lmserve.tools.parser import ToolCallPiece, ToolCallStream
 
-TokenBytes = Callable[[int], bytes]  # token id -> the raw bytes it stands for
 
 # OpenAI reports -9999.0 for tokens whose probability underflowed (JSON has no -Infinity).
 _LOWEST_LOGPROB = -9999.0
@@ -58,43 +58,6 @@ def token_text(raw: bytes) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-def _gpt2_char_to_byte() -> dict[str, int]:
-    """Inverse of GPT-2's byte-to-printable-character table used by byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in printable}
-    shifted = (b for b in range(256) if b not in table.values())
-    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
-    return table
-
-
-def hf_token_bytes(hf: Any) -> TokenBytes:
-    """``token id -> raw bytes`` for a Hugging Face tokenizer.
-
-    ``decode([id])`` is not enough: it drops SentencePiece's leading space and turns a token that
-    holds part of a UTF-8 character into U+FFFD. So read the vocabulary piece instead and undo
-    the vocabulary's own byte encoding: GPT-2's printable-character table for byte-level BPE,
-    ``▁`` for space and ``<0xNN>`` byte-fallback pieces for SentencePiece. Added tokens (chat
-    markers and the like) are stored as plain text.
-    """
-    probe = hf.convert_ids_to_tokens(hf.encode(" a", add_special_tokens=False))
-    byte_level = any("Ġ" in piece for piece in probe)  # GPT-2's spelling of a space
-    char_to_byte = _gpt2_char_to_byte()
-    added = set(hf.get_added_vocab().values())
-
-    def token_bytes(token_id: int) -> bytes:
-        piece = hf.convert_ids_to_tokens(token_id)
-        if token_id in added:
-            return piece.encode()
-        if byte_level and all(c in char_to_byte for c in piece):
-            return bytes(char_to_byte[c] for c in piece)
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            return bytes([int(piece[3:5], 16)])
-        return piece.replace("▁", " ").encode()
-
-    return token_bytes
 
 
 def _logprob(value: float) -> float:
@@ -197,8 +160,10 @@ class ChatStreamBuilder(_StreamBuilder):
     that called a tool and stopped finishes with ``"tool_calls"``.
     """
 
-    def __init__(self, *args: Any, tool_format: Optional[ToolFormat] = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, request_id: str, model: str, created: int, prompt_tokens: int, token_bytes: TokenBytes,
+                 include_usage: bool = False, tool_format: Optional[ToolFormat] = None) -> None:
+        """As ``_StreamBuilder``; ``tool_format``: read tool calls in that format from the text."""
+        super().__init__(request_id, model, created, prompt_tokens, token_bytes, include_usage)
         self._tool_format = tool_format
         self._tool_streams: dict[int, ToolCallStream] = {}
 
@@ -221,8 +186,9 @@ class ChatStreamBuilder(_StreamBuilder):
                 continue
             choice = ChatChunkChoice(
                 index=delta.index,
+                # A first chunk carries content "" as OpenAI's do, but null before tool calls.
                 delta=ChatDelta(role="assistant" if first else None,
-                                content=text if text or first else None,
+                                content=text if text or (first and self._tool_format is None) else None,
                                 tool_calls=[_delta_tool_call(p) for p in pieces] or None),
                 logprobs=None if delta.logprobs is None else chat_logprobs(delta.logprobs, self.token_bytes),
                 finish_reason=finish,

@@ -16,22 +16,13 @@ from typing import Any
 from lmserve.protocol import InvalidRequestError
 from lmserve.structured.json_schema import SchemaError, check_schema
 from lmserve.structured.params import StructuredOutputsParams
-from lmserve.tokenizer import Tokenizer
+from lmserve.structured.xgrammar_lib import import_xgrammar
+from lmserve.tokenizer import Tokenizer, hf_token_bytes
 
 # Compiled grammars kept for reuse (xgrammar's LRU cache; a JSON schema's is tens of KB).
 CACHE_BYTES = 256 << 20
 # xgrammar prefixes its errors with a time and a C++ source position: "[12:11:10] /x/y.cc:12: ".
 _XGR_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")
-
-
-def import_xgrammar() -> Any:
-    """The xgrammar module, or an ImportError saying how to install it."""
-    try:
-        import xgrammar
-    except ImportError as err:
-        raise ImportError("structured output needs xgrammar: pip install --no-deps xgrammar==0.2.9 "
-                          "apache-tvm-ffi (see scripts/setup.sh)") from err
-    return xgrammar
 
 
 class GrammarCompiler:
@@ -72,6 +63,12 @@ class GrammarCompiler:
                 if "::=" not in grammar:  # no EBNF rule: Lark, as vLLM also accepts
                     grammar = xgr.Grammar.from_lark(grammar)
                 return compiler.compile_grammar(grammar)
+            for where, schema in _tag_schemas(json.loads(params.structural_tag), ""):
+                try:
+                    check_schema(schema)
+                except SchemaError as err:
+                    raise InvalidRequestError(f"{origin}: the JSON schema at {where}/json_schema, at "
+                                              f"{err}", origin) from None
             return compiler.compile_structural_tag(params.structural_tag)
         except SchemaError as err:
             raise InvalidRequestError(f"{origin}: the JSON schema at {err}", origin) from None
@@ -90,14 +87,29 @@ class GrammarCompiler:
             return self._compiler
 
 
+def _tag_schemas(node: Any, pointer: str) -> list[tuple[str, Any]]:
+    """The JSON schemas inside a structural tag, each with its JSON pointer in the tag."""
+    found: list[tuple[str, Any]] = []
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            found.append((pointer, node["json_schema"]))
+        items = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        return found
+    for key, child in items:
+        if key != "json_schema":
+            found += _tag_schemas(child, f"{pointer}/{key}")
+    return found
+
+
 def _token_table(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
     """Each token id's bytes; empty for special tokens and ids past the tokenizer's, which
     xgrammar then never allows (only the stop tokens, given apart, end the output).
 
     xgrammar's own ``from_huggingface`` reads chat markers such as ``<|im_start|>`` as text, so a
     JSON string could hold one; special tokens never stand for text in an output."""
-    from lmserve.engine.openai_builders import hf_token_bytes  # the builders import protocol, as we do
-
     hf = tokenizer.hf
     token_bytes = hf_token_bytes(hf)
     special = {i for i, t in hf.added_tokens_decoder.items() if t.special}

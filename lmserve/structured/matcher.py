@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from lmserve.structured.compiler import import_xgrammar
+from lmserve.structured.xgrammar_lib import import_xgrammar
 
 
 class SequenceGrammar:
@@ -38,25 +38,28 @@ class SequenceGrammar:
     def fill(self, bitmask: torch.Tensor, first_row: int, paths: Sequence[Sequence[int]]) -> None:
         """Fill ``bitmask`` rows ``first_row + i``: the tokens allowed after drafts ``paths[i]``.
 
-        Paths that share a prefix with the one before (a chain; a tree in depth-first order)
-        re-walk only what differs. Rows whose path the grammar refuses are left as they are.
+        Each path re-walks only what differs from the path before it (nothing for a chain).
+        Rows whose path the grammar refuses, or that follow the grammar's end (a drafted stop
+        token), are left as they are: no token can be accepted there.
         """
         walked: list[int] = []
-        for i, path in enumerate(paths):
-            common = 0
-            while common < min(len(walked), len(path)) and walked[common] == path[common]:
-                common += 1
-            if len(walked) > common:
-                self._matcher.rollback(len(walked) - common)
-                del walked[common:]
-            for token_id in path[common:]:
-                if not self._matcher.accept_token(token_id):
-                    break
-                walked.append(token_id)
-            if len(walked) == len(path):
-                self._matcher.fill_next_token_bitmask(bitmask, first_row + i)
-        if walked:
-            self._matcher.rollback(len(walked))
+        try:
+            for i, path in enumerate(paths):
+                common = 0
+                while common < min(len(walked), len(path)) and walked[common] == path[common]:
+                    common += 1
+                if len(walked) > common:
+                    self._matcher.rollback(len(walked) - common)
+                    del walked[common:]
+                for token_id in path[common:]:
+                    if not self._matcher.accept_token(token_id):
+                        break
+                    walked.append(token_id)
+                if len(walked) == len(path) and not self._matcher.is_terminated():
+                    self._matcher.fill_next_token_bitmask(bitmask, first_row + i)
+        finally:
+            if walked:
+                self._matcher.rollback(len(walked))
 
 
 def fill_bitmask(rows: Sequence[tuple[Optional[SequenceGrammar], Sequence[Sequence[int]]]],
@@ -77,7 +80,3 @@ def fill_bitmask(rows: Sequence[tuple[Optional[SequenceGrammar], Sequence[Sequen
         row += len(paths)
     return bitmask, indices
 
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int]) -> None:
-    """Set the logits of tokens ``bitmask`` disallows to -inf, in place, on rows ``indices``."""
-    import_xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=indices)

@@ -46,6 +46,10 @@ class ToolFormat:
     name: str
     begin: str  # opens a block of calls in the output
     end: str  # closes it
+    # The tags as the grammar writes them, when the family's trained layout adds to them (e.g.
+    # newlines); grammar_begin starts with begin, which opens a block in "auto".
+    grammar_begin: Optional[str] = None
+    grammar_end: Optional[str] = None
     arguments_key = "arguments"
     one_call_per_block = True  # False: a block holds a JSON list of calls
     whole_answer = False  # True: no tags; an answer starting with "{" is one block
@@ -56,7 +60,10 @@ class ToolFormat:
             value = json.loads(block)
         except json.JSONDecodeError:
             return None
-        items = [value] if self.one_call_per_block else value
+        return self._calls([value] if self.one_call_per_block else value)
+
+    def _calls(self, items: Any) -> Optional[list[ParsedCall]]:
+        """Call objects (``{"name", arguments_key}``) as ParsedCalls; None if one is not a call."""
         if not isinstance(items, list):
             return None
         calls = []
@@ -70,7 +77,7 @@ class ToolFormat:
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
         """Assistant tool calls (OpenAI ``{"name", "arguments"}``, arguments as JSON text) as the
         model writes them, for a conversation's history."""
-        items = [{"name": c["name"], self.arguments_key: _loads_or_text(c["arguments"])} for c in calls]
+        items = [{"name": c["name"], self.arguments_key: loads_or_text(c["arguments"])} for c in calls]
         if self.one_call_per_block:
             return "\n".join(f"{self.begin}{_arguments_text(i)}{self.end}" for i in items)
         listed = ",\n".join(_arguments_text(i) for i in items)
@@ -85,10 +92,12 @@ class ToolFormat:
         if self.one_call_per_block:
             content = one_call
         else:
-            content = {"type": "array", "items": one_call, "minItems": 1}
+            # An empty list is the family's "no call needed", allowed unless a call is required.
+            content = {"type": "array", "items": one_call, "minItems": 1 if required else 0}
             if not parallel:
                 content["maxItems"] = 1
-        tag = {"type": "tag", "begin": self.begin, "end": self.end, "content": _json_content(content)}
+        tag = {"type": "tag", "begin": self.grammar_begin or self.begin,
+               "end": self.grammar_end or self.end, "content": _json_content(content)}
         stop_after_first = not parallel or not self.one_call_per_block
         if required:
             fmt = {"type": "tags_with_separator", "tags": [tag], "separator": "\n",
@@ -99,7 +108,8 @@ class ToolFormat:
         return {"type": "structural_tag", "format": fmt}
 
 
-def _loads_or_text(arguments: str) -> Any:
+def loads_or_text(arguments: Any) -> Any:
+    """Call arguments as an object when they are JSON text (what templates index), else as given."""
     try:
         return json.loads(arguments)
     except (json.JSONDecodeError, TypeError):
@@ -115,10 +125,16 @@ class SmolLM2Format(ToolFormat):
 
 
 class HermesFormat(ToolFormat):
-    """Hermes and Qwen 2.5/3: one ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per call."""
+    """Hermes and Qwen 2.5/3: one ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` per
+    call, written (and forced) on lines of their own, as their templates write them."""
 
     name = "hermes"
     begin, end = "<tool_call>", "</tool_call>"
+    grammar_begin, grammar_end = "<tool_call>\n", "\n</tool_call>"
+
+    def render_calls(self, calls: list[dict[str, Any]]) -> str:
+        items = [{"name": c["name"], "arguments": loads_or_text(c["arguments"])} for c in calls]
+        return "\n".join(f"{self.grammar_begin}{_arguments_text(i)}{self.grammar_end}" for i in items)
 
 
 class Llama3JsonFormat(ToolFormat):
@@ -134,36 +150,46 @@ class Llama3JsonFormat(ToolFormat):
 
     def parse_block(self, block: str) -> Optional[list[ParsedCall]]:
         calls: list[ParsedCall] = []
-        for part in block.split(";"):
-            if part.strip():
-                parsed = super().parse_block(part)
-                if parsed is None:
-                    return None
-                calls += parsed
-        return calls
+        decoder, at = json.JSONDecoder(), 0
+        while True:
+            while at < len(block) and (block[at].isspace() or block[at] == ";"):
+                at += 1
+            if at == len(block):
+                return calls
+            try:
+                value, at = decoder.raw_decode(block, at)
+            except json.JSONDecodeError:
+                return None
+            parsed = self._calls([value])
+            if parsed is None:
+                return None
+            calls += parsed
 
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
-        items = [{"name": c["name"], "parameters": _loads_or_text(c["arguments"])} for c in calls]
+        items = [{"name": c["name"], self.arguments_key: loads_or_text(c["arguments"])} for c in calls]
         return "; ".join(_arguments_text(i) for i in items)
 
     def structural_tag(self, tools: list[dict[str, Any]], required: bool,
                        parallel: bool) -> Optional[dict[str, Any]]:
         if not required:
             return None  # a free answer, read as calls when it starts with "{"
-        one_call = {"anyOf": [_call_schema(t, "parameters") for t in tools]}
+        one_call = {"anyOf": [_call_schema(t, self.arguments_key) for t in tools]}
         return {"type": "structural_tag", "format": _json_content(one_call)}
 
 
 TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (SmolLM2Format(), HermesFormat(), Llama3JsonFormat())}
 
 
-def format_for_template(template: Optional[str], renders_tools: bool) -> ToolFormat:
+def format_for_template(template: Optional[str], renders_tools: bool) -> Optional[ToolFormat]:
     """The family format a chat template implies: Hermes/Qwen when it writes ``<tool_call>``,
-    Llama 3 when it knows ``<|python_tag|>`` or ``ipython``; SmolLM2's otherwise (a template that does not
-    render tools gets lmserve's tool prompt, written in SmolLM2's format)."""
+    Llama 3 when it knows ``<|python_tag|>`` or ``ipython``, SmolLM2's for a template that does
+    not render tools (lmserve's tool prompt then asks for that format); None for a template that
+    renders tools in a format lmserve does not know."""
     text = template or ""
-    if renders_tools and ("<|python_tag|>" in text or "ipython" in text):
+    if not renders_tools:
+        return TOOL_FORMATS["smollm2"]
+    if "<|python_tag|>" in text or "ipython" in text:
         return TOOL_FORMATS["llama3_json"]
-    if renders_tools and "<tool_call>" in text:
+    if "<tool_call>" in text:
         return TOOL_FORMATS["hermes"]
-    return TOOL_FORMATS["smollm2"]
+    return None

@@ -61,12 +61,12 @@ class ToolCallStream:
                 at = buf.find(begin)
                 if at < 0:
                     keep = 0 if final else _held_prefix(buf, begin)
-                    text, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
-                    if self.num_calls and not text.strip():
+                    released, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+                    if self.num_calls and not released.strip():
                         # Whitespace after a call separates calls: shown only if text follows.
-                        self._held = "" if final else text + self._held
-                        text = ""
-                    content += text
+                        self._held = "" if final else released + self._held
+                        released = ""
+                    content += released
                     break
                 before = buf[:at]
                 if not (self.num_calls and not before.strip()):
@@ -81,6 +81,11 @@ class ToolCallStream:
                 if final:
                     content += self._close(pieces, closed=False)
                 break
+            if self.fmt.parse_block(self._block + buf[:at]) is None:
+                # Not a whole call yet: the end tag is inside a JSON string; read on.
+                self._block += buf[:at + len(end)]
+                buf = buf[at + len(end):]
+                continue
             self._block += buf[:at]
             buf = buf[at + len(end):]
             content += self._close(pieces, closed=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from lmserve.tools.formats import ToolFormat
+from lmserve.tools.formats import ToolFormat, loads_or_text
 
 # The tool prompt SmolLM2 was trained with, in substance: the tools in <tools>, the calls as one
 # JSON list in <tool_call>, an empty list when no call is needed.
@@ -71,12 +71,6 @@ def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
     """Assistant tool calls with their JSON arguments parsed (templates index them as objects)."""
     if not message.get("tool_calls"):
         return message
-    calls = []
-    for call in message["tool_calls"]:
-        function = dict(call["function"])
-        try:
-            function["arguments"] = json.loads(function["arguments"])
-        except (json.JSONDecodeError, TypeError):
-            pass
-        calls.append({**call, "function": function})
+    calls = [{**call, "function": {**call["function"], "arguments": loads_or_text(call["function"]["arguments"])}}
+             for call in message["tool_calls"]]
     return {**message, "tool_calls": calls}

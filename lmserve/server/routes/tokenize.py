@@ -11,11 +11,10 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Optional
 
-import jinja2
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lmserve.engine.openai_api import check_text_fits, template_message
+from lmserve.engine.openai_api import check_text_fits, render_chat_prompt, template_message
 from lmserve.protocol import ChatMessageParam, ChatTool, InvalidRequestError, check_json_values
 from lmserve.server.backend import ServedModel
 from lmserve.server.routes import api_access
@@ -72,11 +71,9 @@ def _tokenize(model: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = [template_message(m) for m in req.messages]
         check_text_fits(sum(len(m.get("content") or "") for m in messages), model, "messages")
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                tools=tools)
-        except (ValueError, jinja2.TemplateError) as err:
-            raise InvalidRequestError(f"cannot render the chat template: {err}", "messages") from None
+        # As the chat endpoint renders it (with tools, its default tool_choice "auto").
+        ids, _ = render_chat_prompt(tokenizer, messages, tools, show_tool_prompt=bool(tools),
+                                    add_generation_prompt=req.add_generation_prompt)
     else:
         req = _parse(TokenizeTextRequest, body)
         check_text_fits(len(req.prompt), model, "prompt")
