@@ -128,6 +128,10 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     kv_per_token = sum(_kv_per_token(a, d) for (a, _), d in zip(models, kv_dtypes))
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
     context = min(a.context_length for a, _ in models)
+    # Sliding-window attention is not built yet: attention is dense, which is what a model's own
+    # window gives only while a sequence fits in it. So such a model's sequences stay within it.
+    window = min((a.sliding_window for a, _ in models if a.sliding_window), default=None)
+    longest = context if window is None else min(context, window)
 
     def step_workspace(batch: int, chunk: int, single: int) -> int:
         # Verifying drafts wants a logit row per draft too, within the step's tokens.
@@ -143,7 +147,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     if mode == "server":
         batch = _given_or(config.max_num_sequence, SERVER_BATCH)
         chunk = _given_or(config.prefill_chunk_size, min(context, SERVER_CHUNK))
-        single = _given_or(config.max_single_sequence_length, context)
+        single = _given_or(config.max_single_sequence_length, longest)
         workspace = step_workspace(batch, chunk, single)
         room = budget - weights - workspace - margin
         # Whole pages only; more KV than every sequence at full length could never be used.
@@ -153,7 +157,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     else:
         batch = _given_or(config.max_num_sequence, _MODE_BATCH[mode])
         total = _given_or(config.max_total_sequence_length, context)
-        single = _given_or(config.max_single_sequence_length, min(context, total))
+        single = _given_or(config.max_single_sequence_length, min(longest, total))
         chunk = _given_or(config.prefill_chunk_size, min(context, total))
         workspace = step_workspace(batch, chunk, single)
 
@@ -165,7 +169,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
                  + num_pages * page * _kv_per_token(draft_args, kv_dtypes[1]))
     memory = MemoryPlan(device, budget, weights, kv_per_token, num_pages * page * kv_per_token,
                         workspace, margin, draft)
-    _check(context, memory, total, single, chunk, util, draft_args is not None)
+    _check(context, memory, total, single, chunk, util, draft_args is not None, window)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
                       opt.weight_dtype, kv_dtypes[0], opt.act_dtype,
                       opt.mlp_act_dtype or opt.act_dtype, opt.attention, opt.compile,
@@ -239,7 +243,11 @@ def system_memory_bytes() -> int:
 
 
 def _check(context: int, m: MemoryPlan, total: int, single: int, chunk: int, util: float,
-           with_draft: bool) -> None:
+           with_draft: bool, window: Optional[int] = None) -> None:
+    if window is not None and single > window:
+        raise ValueError(f"max_single_sequence_length={single} exceeds the model's sliding window "
+                         f"of {window} tokens: lmserve does not build sliding-window attention yet, "
+                         f"and its dense attention matches the window only up to {window} tokens")
     if single > context:
         models = "the context window of the model or its draft model" if with_draft else \
             "the model's context window"

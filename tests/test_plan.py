@@ -256,3 +256,29 @@ def test_a_draft_tree_is_shown_and_its_rows_counted_in_the_workspace():
     assert plans[1].speculative == ("ngram, a tree of 3 candidates per depth, 4 deep per "
                                     "sequence and step")
     assert plans[0].memory.workspace < plans[1].memory.workspace
+
+
+def test_a_model_with_a_sliding_window_keeps_its_sequences_within_it():
+    # Dense attention equals the model's own window only while a sequence fits in the window.
+    windowed = dataclasses.replace(_args(2048), sliding_window=64)
+    plan = make_plan(EngineConfig(), windowed, device_memory=16 * GiB)
+    assert plan.max_single_sequence_length == 64
+    assert make_plan(EngineConfig(mode="server"), windowed, device_memory=16 * GiB).max_single_sequence_length == 64
+    with pytest.raises(ValueError, match="max_single_sequence_length=128 exceeds the model's sliding window of 64"):
+        make_plan(EngineConfig(max_single_sequence_length=128), windowed)
+    wide = dataclasses.replace(_args(2048), sliding_window=4096)  # wider than the context: no cap
+    assert make_plan(EngineConfig(), wide, device_memory=16 * GiB).max_single_sequence_length == 2048
+
+
+def test_a_windowed_model_is_served_within_its_window_without_a_flag(tmp_path):
+    from conftest import generate_tokens
+    from lmserve import Engine, SamplingParams
+    from tiny_models import make_hf_llama
+
+    model = make_hf_llama(str(tmp_path / "qwen"), arch="qwen2", use_sliding_window=True, sliding_window=24,
+                          max_window_layers=0)
+    with Engine(model, verbose=False) as engine:
+        assert engine.plan.max_single_sequence_length == 24
+        prompt = list(range(5, 15))
+        tokens = generate_tokens(engine, prompt, SamplingParams(temperature=0, ignore_eos=True))
+        assert len(tokens) == 14  # until the context is full: it ends exactly at the window
