@@ -170,6 +170,22 @@ def test_constrained_rows_leave_unconstrained_ones_untouched(builtin_engine):
     assert builtin_engine.kv_pages_in_use() == 0
 
 
+def test_vllms_first_structural_tag_shape_is_read(builtin_engine):
+    import xgrammar as xgr
+
+    legacy = {"type": "structural_tag", "triggers": ["<a>"], "structures": [
+        {"begin": "<a>", "schema": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+         "end": "</a>"}]}
+    compiled = builtin_engine._core.grammars.compile(Constraint(structural_tag=json.dumps(legacy)))
+
+    def accepts(text):
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    assert accepts('free text <a>{"x": 1}</a> more')
+    assert not accepts('free text <a>{"x": "one"}</a>')
+
+
 # -- bad constraints: the caller's fault, named ---------------------------------------------------
 
 @pytest.mark.parametrize("constraint, words", [

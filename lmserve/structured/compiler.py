@@ -9,6 +9,7 @@ the second compile of the same constraint, on the engine thread, a lookup.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from typing import Any
@@ -63,13 +64,14 @@ class GrammarCompiler:
                 if "::=" not in grammar:  # no EBNF rule: Lark, as vLLM also accepts
                     grammar = xgr.Grammar.from_lark(grammar)
                 return compiler.compile_grammar(grammar)
-            for where, schema in _tag_schemas(json.loads(params.structural_tag), ""):
+            tag = _current_tag_shape(json.loads(params.structural_tag))
+            for where, schema in _tag_schemas(tag, ""):
                 try:
                     check_schema(schema)
                 except SchemaError as err:
                     raise InvalidRequestError(f"{origin}: the JSON schema at {where}/json_schema, at "
                                               f"{err}", origin) from None
-            return compiler.compile_structural_tag(params.structural_tag)
+            return compiler.compile_structural_tag(json.dumps(tag))
         except SchemaError as err:
             raise InvalidRequestError(f"{origin}: the JSON schema at {err}", origin) from None
         except (RuntimeError, ValueError, TypeError) as err:  # xgrammar's parse and compile errors
@@ -83,8 +85,26 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo(_token_table(self._tokenizer, self.vocab_size),
                                          xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                          stop_token_ids=self._tokenizer.eos_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
+                # xgrammar's default of 8 threads only oversubscribes a small machine.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=max(1, min(8, os.cpu_count() or 1)),
+                                                     cache_limit_bytes=CACHE_BYTES)
             return self._compiler
+
+
+def _current_tag_shape(tag: Any) -> Any:
+    """A structural tag in xgrammar's current shape. vLLM's clients may still send the first one,
+    ``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}], "triggers": [...]}``:
+    free text, and a tag's JSON once its trigger appears, which is ``triggered_tags`` now."""
+    if not (isinstance(tag, dict) and "structures" in tag and "format" not in tag):
+        return tag
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not all(isinstance(s, dict) for s in structures):
+        raise ValueError("structures must be a list of {begin, schema, end} objects")
+    return {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": triggers,
+        "tags": [{"type": "tag", "begin": s.get("begin"), "end": s.get("end"),
+                  "content": {"type": "json_schema", "json_schema": s.get("schema")}}
+                 for s in structures]}}
 
 
 def _tag_schemas(node: Any, pointer: str) -> list[tuple[str, Any]]:
