@@ -361,6 +361,12 @@ def _check_combinations(c: EngineConfig) -> None:
         raise ValueError(
             f"attention_sink_size={c.attention_sink_size} needs sliding_window_size to be set"
         )
+    if c.attention_sink_size is not None and c.attention_sink_size >= c.sliding_window_size:
+        # The sinks sit inside what a query may see: a window no larger than them is all sinks.
+        raise ValueError(
+            f"attention_sink_size={c.attention_sink_size} must be smaller than "
+            f"sliding_window_size={c.sliding_window_size}"
+        )
     if c.max_history_size is not None and c.kv_state_kind == "kv_cache":
         raise ValueError(
             f"max_history_size={c.max_history_size} only applies to kv_state_kind='rnn_state', "

@@ -130,6 +130,7 @@ BAD_VALUES = [
     ({"sliding_window_size": 0}, ValueError, "0"),
     ({"attention_sink_size": -1, "sliding_window_size": 8}, ValueError, "-1"),
     ({"attention_sink_size": 4}, ValueError, "4"),
+    ({"attention_sink_size": 8, "sliding_window_size": 8}, ValueError, "attention_sink_size=8 must be smaller than sliding_window_size=8"),
     ({"max_history_size": 0}, ValueError, "0"),
     ({"max_history_size": 2, "kv_state_kind": "kv_cache"}, ValueError, "2"),
     ({"kv_state_kind": "paged"}, ValueError, "'paged'"),
