@@ -78,10 +78,16 @@ class ToolFormat:
         """Assistant tool calls (OpenAI ``{"name", "arguments"}``, arguments as JSON text) as the
         model writes them, for a conversation's history."""
         items = [{"name": c["name"], self.arguments_key: loads_or_text(c["arguments"])} for c in calls]
+        begin, end = self.trained_tags
         if self.one_call_per_block:
-            return "\n".join(f"{self.begin}{_arguments_text(i)}{self.end}" for i in items)
+            return "\n".join(f"{begin}{_arguments_text(i)}{end}" for i in items)
         listed = ",\n".join(_arguments_text(i) for i in items)
-        return f"{self.begin}[\n{listed}\n]{self.end}"
+        return f"{begin}[\n{listed}\n]{end}"
+
+    @property
+    def trained_tags(self) -> tuple[str, str]:
+        """A block's tags as the family writes them (what the grammar forces)."""
+        return self.grammar_begin or self.begin, self.grammar_end or self.end
 
     def structural_tag(self, tools: list[dict[str, Any]], required: bool,
                        parallel: bool) -> Optional[dict[str, Any]]:
@@ -96,8 +102,8 @@ class ToolFormat:
             content = {"type": "array", "items": one_call, "minItems": 1 if required else 0}
             if not parallel:
                 content["maxItems"] = 1
-        tag = {"type": "tag", "begin": self.grammar_begin or self.begin,
-               "end": self.grammar_end or self.end, "content": _json_content(content)}
+        begin, end = self.trained_tags
+        tag = {"type": "tag", "begin": begin, "end": end, "content": _json_content(content)}
         stop_after_first = not parallel or not self.one_call_per_block
         if required:
             fmt = {"type": "tags_with_separator", "tags": [tag], "separator": "\n",
@@ -131,10 +137,6 @@ class HermesFormat(ToolFormat):
     name = "hermes"
     begin, end = "<tool_call>", "</tool_call>"
     grammar_begin, grammar_end = "<tool_call>\n", "\n</tool_call>"
-
-    def render_calls(self, calls: list[dict[str, Any]]) -> str:
-        items = [{"name": c["name"], "arguments": loads_or_text(c["arguments"])} for c in calls]
-        return "\n".join(f"{self.grammar_begin}{_arguments_text(i)}{self.grammar_end}" for i in items)
 
 
 class Llama3JsonFormat(ToolFormat):
