@@ -206,6 +206,16 @@ def test_invalid_constraints_are_refused_before_they_run(builtin_engine, constra
     assert "/project/" not in str(err.value)  # xgrammar's source position is no use to a caller
 
 
+def test_a_constraint_no_token_can_continue_fails_its_request_as_the_callers_fault(builtin_engine):
+    # U+40000 compiles, but no token of the built-in vocabulary spells it: a dead end at run time.
+    params = SamplingParams(max_tokens=5, structured_outputs=Constraint(json={"const": "\U00040000"}))
+    with pytest.raises(InvalidRequestError, match="no token of this model's vocabulary") as err:
+        list(builtin_engine.generate(chat_prompt(builtin_engine, "hi"), params))
+    assert err.value.param == "structured_outputs"
+    wait_idle(builtin_engine)
+    assert builtin_engine.kv_pages_in_use() == 0
+
+
 def test_grammars_compile_in_the_callers_thread(builtin_engine, monkeypatch):
     compiler = builtin_engine._core.grammars._get_compiler()
     threads = []

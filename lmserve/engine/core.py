@@ -122,7 +122,8 @@ class EngineCore:
         compiled = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         for i in range(params.n):
             req.seqs.append(Sequence(req, i, list(prompt_token_ids), _seed(params, i),
-                                     grammar=None if compiled is None else SequenceGrammar(compiled)))
+                                     grammar=None if compiled is None
+                                     else SequenceGrammar(compiled, params.structured_outputs.origin)))
         self.requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)

@@ -15,20 +15,34 @@ from typing import Any, Optional
 
 import torch
 
+from lmserve.protocol import InvalidRequestError
 from lmserve.structured.xgrammar_lib import import_xgrammar
 
 
 class SequenceGrammar:
-    """A sequence's matcher: which tokens its grammar allows next."""
+    """A sequence's matcher: which tokens its grammar allows next. ``origin`` names the request
+    field of the constraint, for errors."""
 
-    def __init__(self, compiled: Any) -> None:
-        self._matcher = import_xgrammar().GrammarMatcher(compiled)
+    def __init__(self, compiled: Any, origin: str = "structured_outputs") -> None:
+        xgr = import_xgrammar()
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._vocab_size = compiled.tokenizer_info.vocab_size
+        self.origin = origin
 
     def accept(self, token_id: int) -> None:
-        """Advance by a token the sequence kept; raises ``ValueError`` if the grammar refuses it
-        (which the masks make impossible)."""
-        if not self._matcher.accept_token(token_id):
-            raise ValueError(f"token {token_id} breaks the request's grammar")
+        """Advance by a token the sequence kept. The masks only let through allowed tokens, so a
+        refused one means the grammar allowed none (a dead end: ``InvalidRequestError``, e.g. a
+        ``const`` whose characters no token of this vocabulary spells); anything else is a bug
+        (``RuntimeError``)."""
+        if self._matcher.accept_token(token_id):
+            return
+        bitmask = import_xgrammar().allocate_token_bitmask(1, self._vocab_size)
+        self._matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise InvalidRequestError(f"{self.origin}: no token of this model's vocabulary can "
+                                      f"continue the output here, so the constraint cannot be "
+                                      f"met", self.origin)
+        raise RuntimeError(f"token {token_id} breaks the request's grammar")
 
     @property
     def terminated(self) -> bool:
