@@ -18,6 +18,7 @@ from typing import Optional
 
 from lmserve.attention import resolve_kv_dtype
 from lmserve.attention.base import AttentionShape
+from lmserve.attention.window import AttentionWindow
 from lmserve.cache.kv import kv_bytes_per_head
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.models.args import ModelArgs
@@ -84,12 +85,22 @@ class EnginePlan:
     compile: bool  # the layers' torch ops compiled (opt compile=1)
     speculative: str  # the drafter and draft tokens per sequence and step, or "off"
     draft_kv_dtype: Optional[str]  # the draft model's KV cache (same pages), None without one
+    window: Optional[AttentionWindow]  # sliding-window attention of window_layers, or None
+    window_layers: Optional[tuple[int, ...]]  # the windowed layers; None: every layer
+    max_pages_per_sequence: int  # the most KV pages one sequence holds
     memory: MemoryPlan
+
+    @property
+    def bounded(self) -> bool:
+        """Every layer is windowed: a sequence's KV is bounded by its window, not its length."""
+        return self.window is not None and self.window_layers is None
 
     def describe(self) -> str:
         """An aligned two-column table of the plan, for the start-up log and ``lmserve plan``."""
         rows = [(f.name, str(getattr(self, f.name))) for f in dataclasses.fields(self)
-                if f.name != "memory"]
+                if f.name not in ("memory", "window", "window_layers")]
+        rows.insert(next(i for i, (name, _) in enumerate(rows) if name == "max_pages_per_sequence"),
+                    ("sliding_window", _describe_window(self)))
         m = self.memory
         rows += [
             ("weights", _gib(m.weights)),
@@ -128,10 +139,10 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     kv_per_token = sum(_kv_per_token(a, d) for (a, _), d in zip(models, kv_dtypes))
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
     context = min(a.context_length for a, _ in models)
-    # Sliding-window attention is not built yet: attention is dense, which is what a model's own
-    # window gives only while a sequence fits in it. So such a model's sequences stay within it.
-    window = min((a.sliding_window for a, _ in models if a.sliding_window), default=None)
-    longest = context if window is None else min(context, window)
+    # (A draft model attends with the same window: see EngineCore.)
+    window, window_layers = resolve_window(config.sliding_window_size, config.attention_sink_size, args)
+    bounded = window is not None and window_layers is None
+    longest = context
 
     def step_workspace(batch: int, chunk: int, single: int) -> int:
         # Verifying drafts wants a logit row per draft too, within the step's tokens.
@@ -148,18 +159,23 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         batch = _given_or(config.max_num_sequence, SERVER_BATCH)
         chunk = _given_or(config.prefill_chunk_size, min(context, SERVER_CHUNK))
         single = _given_or(config.max_single_sequence_length, longest)
-        workspace = step_workspace(batch, chunk, single)
+        workspace = step_workspace(batch, chunk, _attended(single, window, chunk))
         room = budget - weights - workspace - margin
         # Whole pages only; more KV than every sequence at full length could never be used.
         page_bytes = config.kv_cache_page_size * kv_per_token
         fits = max(0, room // page_bytes) * config.kv_cache_page_size
-        total = _given_or(config.max_total_sequence_length, min(fits, batch * single))
+        held = _pages_per_sequence(single, chunk, config.kv_cache_page_size, window if bounded else None)
+        total = _given_or(config.max_total_sequence_length,
+                          min(fits, batch * held * config.kv_cache_page_size))
     else:
         batch = _given_or(config.max_num_sequence, _MODE_BATCH[mode])
         total = _given_or(config.max_total_sequence_length, context)
         single = _given_or(config.max_single_sequence_length, min(longest, total))
         chunk = _given_or(config.prefill_chunk_size, min(context, total))
-        workspace = step_workspace(batch, chunk, single)
+        if bounded and config.max_total_sequence_length is None:  # a stream's window and chunk
+            total = max(total, _pages_per_sequence(single, chunk, config.kv_cache_page_size, window)
+                        * config.kv_cache_page_size)
+        workspace = step_workspace(batch, chunk, _attended(single, window, chunk))
 
     page = config.kv_cache_page_size
     num_pages = -(-total // page)  # ceil: the last page may be partly used
@@ -169,11 +185,55 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
                  + num_pages * page * _kv_per_token(draft_args, kv_dtypes[1]))
     memory = MemoryPlan(device, budget, weights, kv_per_token, num_pages * page * kv_per_token,
                         workspace, margin, draft)
-    _check(context, memory, total, single, chunk, util, draft_args is not None, window)
+    if window is not None and config.speculative_mode != "disable":
+        deepest = config.spec_draft_length or MAX_ADAPTIVE_K
+        if window.size <= deepest:
+            raise ValueError(f"a sliding window of {window.size} tokens must exceed the deepest "
+                             f"draft ({deepest} tokens): a draft sees its whole path")
+    held = _pages_per_sequence(single, chunk, page, window if bounded else None)
+    _check(context, memory, total, single, chunk, util, draft_args is not None,
+           window if bounded else None, held * page)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
                       opt.weight_dtype, kv_dtypes[0], opt.act_dtype,
                       opt.mlp_act_dtype or opt.act_dtype, opt.attention, opt.compile,
-                      _speculative(config, models), kv_dtypes[1] if draft_args else None, memory)
+                      _speculative(config, models), kv_dtypes[1] if draft_args else None,
+                      window, window_layers, held, memory)
+
+
+def resolve_window(size: Optional[int], sinks: Optional[int], args: ModelArgs
+                   ) -> tuple[Optional[AttentionWindow], Optional[tuple[int, ...]]]:
+    """The sliding window of the model's windowed layers and those layers (None: all): the
+    model's own window, or ``size`` (``sliding_window_size``: on the layers the model windows, or
+    on all of a model without a window), with ``sinks`` (``attention_sink_size``). (None, None)
+    without a window."""
+    own = args.sliding_window
+    if size is not None and own is not None and size > own:
+        raise ValueError(f"sliding_window_size={size} is larger than the model's own sliding window "
+                         f"of {own} tokens: its layers were trained to see at most {own}")
+    size = size or own
+    if size is None:
+        return None, None
+    return AttentionWindow(size, sinks or 0), (
+        args.sliding_window_layers if own is not None else None)
+
+
+def _pages_per_sequence(single: int, chunk: int, page: int, window: Optional[AttentionWindow]) -> int:
+    """The most pages one sequence holds: its length's, or (every layer windowed) its window's."""
+    dense = -(-single // page)
+    return dense if window is None else min(dense, window.max_pages(page, chunk))
+
+
+def _attended(single: int, window: Optional[AttentionWindow], chunk: int) -> int:
+    """The most keys one query's attention gathers."""
+    return single if window is None else min(single, window.sinks + window.size - 1 + chunk)
+
+
+def _describe_window(plan: EnginePlan) -> str:
+    if plan.window is None:
+        return "off"
+    layers = "every layer" if plan.window_layers is None else \
+        f"layers {', '.join(map(str, plan.window_layers)) or 'none'}"
+    return f"{plan.window.describe()} on {layers}" + ("" if plan.bounded else " (KV not bounded: dense layers)")
 
 
 def _kv_dtype(args: ModelArgs, opt: OptFlags, page_size: int) -> str:
@@ -243,16 +303,19 @@ def system_memory_bytes() -> int:
 
 
 def _check(context: int, m: MemoryPlan, total: int, single: int, chunk: int, util: float,
-           with_draft: bool, window: Optional[int] = None) -> None:
-    if window is not None and single > window:
-        raise ValueError(f"max_single_sequence_length={single} exceeds the model's sliding window "
-                         f"of {window} tokens: lmserve does not build sliding-window attention yet, "
-                         f"and its dense attention matches the window only up to {window} tokens")
-    if single > context:
+           with_draft: bool, window: Optional[AttentionWindow], held: int) -> None:
+    """``window``: the window of every layer (None if some layer is dense); ``held``: the most
+    tokens' KV one sequence holds."""
+    if single > context and window is None:
         models = "the context window of the model or its draft model" if with_draft else \
             "the model's context window"
         raise ValueError(f"max_single_sequence_length={single} exceeds {models} "
-                         f"of {context} tokens")
+                         f"of {context} tokens (a sliding window on every layer lifts this)")
+    if single > context and window.size + window.sinks > context:
+        raise ValueError(f"max_single_sequence_length={single} runs past the context window of "
+                         f"{context} tokens, which needs sliding_window_size + attention_sink_size "
+                         f"({window.size} + {window.sinks}) within it: a query would see keys "
+                         f"farther away than the model was trained on")
     fixed = m.weights + m.workspace + m.margin
     if fixed > m.budget:
         raise ValueError(
@@ -260,11 +323,12 @@ def _check(context: int, m: MemoryPlan, total: int, single: int, chunk: int, uti
             f"runtime margin ({_gib(m.margin)}) need {_gib(fixed)}, over the memory budget of "
             f"{_gib(m.budget)} ({util:g} of {_gib(m.device)}); raise gpu_memory_utilization or "
             f"lower max_num_sequence / prefill_chunk_size / max_single_sequence_length")
-    if total < single:
+    if total < min(single, held):
+        need = f"max_single_sequence_length={single} tokens" if held >= single else \
+            f"its sliding window and a prefill chunk ({held} tokens of pages)"
         raise ValueError(
-            f"the KV cache holds {total} tokens, fewer than one sequence of "
-            f"max_single_sequence_length={single} tokens ({m.kv_per_token:,} bytes a token, "
-            f"{_gib(m.budget - fixed)} left for KV)")
+            f"the KV cache holds {total} tokens, fewer than one sequence of {need} "
+            f"({m.kv_per_token:,} bytes a token, {_gib(m.budget - fixed)} left for KV)")
     if chunk > total:
         raise ValueError(f"prefill_chunk_size={chunk} exceeds max_total_sequence_length={total}: "
                          f"the KV cache could never hold one chunk")

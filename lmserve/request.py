@@ -52,6 +52,8 @@ class Sequence:
     num_computed: int = 0
     num_draft_computed: int = 0  # tokens with KV in a draft model's cache (small_draft)
     pages: list[int] = field(default_factory=list)
+    # Entries of ``pages`` after the sink pages that a sliding window gave back (RELEASED).
+    num_released_pages: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[str] = None
     stop_reason: Union[str, int, None] = None

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from lmserve.attention.base import AttentionBackend, AttentionInput
+from lmserve.attention.window import AttentionWindow
 from lmserve.cache.kv import KVCache
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.models.llama import ForwardContext
@@ -18,17 +19,26 @@ class ModelRunner:
     """Owns the model, the KV tensors and the attention backend; one ``execute`` per step."""
 
     def __init__(self, model, kv: KVCache, backend: AttentionBackend, ops, max_positions: int,
-                 device: torch.device, compiled: Optional[CompiledLayerOps] = None) -> None:
+                 device: torch.device, compiled: Optional[CompiledLayerOps] = None,
+                 window: Optional[AttentionWindow] = None,
+                 window_layers: Optional[tuple[int, ...]] = None) -> None:
         """``ops``: the element-wise layer ops (``layers.fused.TorchOps`` or ``FusedOps``);
-        ``compiled``: the layers' torch ops as compiled graphs (opt compile=1), or None."""
+        ``compiled``: the layers' torch ops as compiled graphs (opt compile=1), or None;
+        ``window``: the sliding window of ``window_layers`` (None: every layer), or None;
+        ``max_positions``: the rotary table's (later positions are computed when met)."""
         self.model = model
         self.compiled = compiled
         self.kv = kv
         self.backend = backend
         self.ops = ops
         self.device = device
+        self.window = window
+        num_layers = model.args.num_layers
+        layers = range(num_layers) if window_layers is None else window_layers
+        self.windowed = tuple(window is not None and i in layers for i in range(num_layers))
         self.rotary = model.rotary(max_positions, device)
-        self.layer_calls = model.layer_calls(backend, ops, kv)
+        self.layer_calls = model.layer_calls(backend, ops, kv, self.windowed,
+                                             window is not None and window.sinks > 0)
 
     def execute(self, step: StepInput) -> torch.Tensor:
         """Logits ``(step.num_logits, V)``: each sequence's rows, for its last ``num_logits``
@@ -47,9 +57,16 @@ class ModelRunner:
             context_lens=[s.context_len for s in step.seqs],
             page_tables=[s.page_table for s in step.seqs],
             tree_masks=trees if any(t is not None for t in trees) else None,
+            window=self.window,
+            dense_layers=not all(self.windowed),
         )
         pos = torch.tensor(positions, device=self.device)
         cos, sin = self.rotary.lookup(pos)
+        if self.window is not None and self.window.sinks:
+            sink_positions = [self.window.sink_position(p) for p in positions]
+            if sink_positions != positions:
+                attn_in.sink_cos, attn_in.sink_sin = self.rotary.lookup(
+                    torch.tensor(sink_positions, device=self.device))
         ctx = ForwardContext(
             backend=self.backend,
             attn_meta=self.backend.prepare(attn_in, self.kv.page_size, self.device),
@@ -59,6 +76,7 @@ class ModelRunner:
             kv=self.kv,
             layer_calls=self.layer_calls,
             compiled=self.compiled,
+            windowed=self.windowed,
         )
         hidden = self.model.forward(torch.tensor(input_ids, device=self.device), ctx)  # (T, D)
         if not rows:

@@ -167,6 +167,7 @@ class Scheduler:
             if not c.decode:
                 self.kv.cache(seq)
             self.kv.rollback(seq)  # pages reserved for rejected or unused draft slots
+            self.kv.release_past_window(seq)
             if seq.finish_reason is not None:
                 self.finish(seq)
 

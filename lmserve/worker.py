@@ -50,4 +50,7 @@ def build_worker(model_path: str, args: ModelArgs, plan: EnginePlan, opt: OptFla
     if isinstance(backend, CpuPagedBackend):
         ops = FusedOps.create() or ops
     compiled = CompiledLayerOps() if opt.compile else None  # parse_opt allows it on dense weights only
-    return ModelRunner(model, kv, backend, ops, plan.max_single_sequence_length, device, compiled)
+    # Positions past the context (streaming under a window) are computed as they come.
+    positions = min(plan.max_single_sequence_length, args.context_length)
+    return ModelRunner(model, kv, backend, ops, positions, device, compiled, plan.window,
+                       plan.window_layers)

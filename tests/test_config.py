@@ -303,6 +303,8 @@ def test_default_config_is_supported():
         {"speculative_mode": "ngram", "spec_draft_length": 5},
         {"speculative_mode": "ngram", "spec_draft_length": 4, "spec_tree_width": 3},
         {"speculative_mode": "ngram", "spec_draft_length": 64},  # a chain has no 64-token limit
+        {"sliding_window_size": 512},
+        {"sliding_window_size": 512, "attention_sink_size": 4},
     ],
 )
 def test_built_features_are_supported(kwargs):
@@ -313,8 +315,6 @@ UNBUILT = [
     ({"model_lib": "model.so"}, "model_lib"),
     ({"tensor_parallel_shards": 2}, "tensor_parallel_shards"),
     ({"pipeline_parallel_stages": 2}, "pipeline_parallel_stages"),
-    ({"sliding_window_size": 512}, "sliding_window_size"),
-    ({"sliding_window_size": 512, "attention_sink_size": 4}, "attention_sink_size"),
     ({"max_history_size": 1}, "max_history_size"),
     ({"kv_state_kind": "rnn_state"}, "kv_state_kind"),
     ({"speculative_mode": "eagle", "additional_models": ["d"]}, "speculative_mode"),

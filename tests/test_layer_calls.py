@@ -19,20 +19,25 @@ needs_kernels = pytest.mark.skipif(
 
 def hidden_both_ways(engine: Engine, query_lens: list[int], done: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's final hidden states for one step (sequence i has ``done[i]`` tokens cached and
-    adds ``query_lens[i]``) computed with the call list and with the Python loop."""
+    adds ``query_lens[i]``) computed with the call list and with the Python loop (with the
+    engine's sliding window, if any, on every layer)."""
     core = engine._core
     runner, page = core.runner, core.plan.page_size
     ctx_lens = [d + n for d, n in zip(done, query_lens)]
     tables = [core.pool.alloc(-(-c // page)) for c in ctx_lens]
     try:
-        inp = AttentionInput(query_lens, ctx_lens, tables)
+        window = runner.window
+        inp = AttentionInput(query_lens, ctx_lens, tables, window=window)
         positions = torch.cat([torch.arange(d, d + n) for d, n in zip(done, query_lens)])
         ids = torch.randint(0, core.args.vocab_size, (len(positions),), generator=torch.Generator().manual_seed(0))
         cos, sin = runner.rotary.lookup(positions)
+        if window is not None:  # the sinks scored from moved positions
+            inp.sink_cos, inp.sink_sin = runner.rotary.lookup(positions.clamp(max=window.size + window.sinks - 1))
         meta = runner.backend.prepare(inp, page, runner.device)
         out = []
         for calls in (runner.layer_calls, None):
-            ctx = ForwardContext(runner.backend, meta, runner.ops, cos, sin, runner.kv, calls)
+            ctx = ForwardContext(runner.backend, meta, runner.ops, cos, sin, runner.kv, calls,
+                                 windowed=runner.windowed)
             out.append(runner.model.forward(ids, ctx))
         return out[0], out[1]
     finally:
@@ -43,14 +48,15 @@ def hidden_both_ways(engine: Engine, query_lens: list[int], done: list[int]) -> 
 @needs_kernels
 @pytest.mark.parametrize("opt", ["O1", "O2", "O3"])
 @pytest.mark.parametrize("source", ["gguf Q4_1", "safetensors"])
-def test_layer_calls_match_the_python_loop_bit_for_bit(tmp_path, source, opt):
+@pytest.mark.parametrize("window", [{}, {"sliding_window_size": 16, "attention_sink_size": 3}])
+def test_layer_calls_match_the_python_loop_bit_for_bit(tmp_path, source, opt, window):
     if source.startswith("gguf"):
         path = make_gguf_llama(str(tmp_path / "m.gguf"), "Q4_1", num_layers=3, hidden_size=64,
                                intermediate_size=128)
     else:
         path = make_hf_llama(str(tmp_path / "m"), num_layers=3)
     engine = Engine(model=path, opt=opt, prefix_cache_mode="disable", max_num_sequence=4,
-                    max_total_sequence_length=512, verbose=False)
+                    max_total_sequence_length=512, verbose=False, **window)
     try:
         assert engine._core.runner.layer_calls is not None
         # A prompt's first chunk and a second prompt, then the rest of the first beside a decode.

@@ -1,6 +1,7 @@
 """make_plan: mode presets, explicit overrides, page count, refusals; the start-up table."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -258,27 +259,53 @@ def test_a_draft_tree_is_shown_and_its_rows_counted_in_the_workspace():
     assert plans[0].memory.workspace < plans[1].memory.workspace
 
 
-def test_a_model_with_a_sliding_window_keeps_its_sequences_within_it():
-    # Dense attention equals the model's own window only while a sequence fits in the window.
+def test_a_window_on_every_layer_bounds_each_sequence_by_pages():
     windowed = dataclasses.replace(_args(2048), sliding_window=64)
-    plan = make_plan(EngineConfig(), windowed, device_memory=16 * GiB)
-    assert plan.max_single_sequence_length == 64
-    assert make_plan(EngineConfig(mode="server"), windowed, device_memory=16 * GiB).max_single_sequence_length == 64
-    with pytest.raises(ValueError, match="max_single_sequence_length=128 exceeds the model's sliding window of 64"):
-        make_plan(EngineConfig(max_single_sequence_length=128), windowed)
-    wide = dataclasses.replace(_args(2048), sliding_window=4096)  # wider than the context: no cap
-    assert make_plan(EngineConfig(), wide, device_memory=16 * GiB).max_single_sequence_length == 2048
+    plan = make_plan(EngineConfig(prefill_chunk_size=32), windowed, device_memory=16 * GiB)
+    assert plan.bounded and plan.max_single_sequence_length == 2048
+    # The window's 63 older keys and a 32-token chunk, one page more for alignment; no sinks.
+    assert plan.max_pages_per_sequence == -(-(63 + 32) // 16) + 1 == 7
+    assert re.search(r"sliding_window +64 tokens on every layer\n", plan.describe())
+    # Server mode sizes the KV for every sequence's page cap, not its length.
+    server = make_plan(EngineConfig(mode="server", max_num_sequence=8, prefill_chunk_size=32),
+                       windowed, device_memory=16 * GiB)
+    assert server.max_total_sequence_length == 8 * 7 * 16
+    dense = make_plan(EngineConfig(mode="server", max_num_sequence=8, prefill_chunk_size=32),
+                      _args(2048), device_memory=16 * GiB)
+    assert dense.max_total_sequence_length == 8 * 2048 and dense.max_pages_per_sequence == 128
 
 
-def test_a_windowed_model_is_served_within_its_window_without_a_flag(tmp_path):
-    from conftest import generate_tokens
-    from lmserve import Engine, SamplingParams
-    from tiny_models import make_hf_llama
+def test_sliding_window_size_may_shrink_the_models_window_but_not_widen_it():
+    windowed = dataclasses.replace(_args(2048), sliding_window=64)
+    assert make_plan(EngineConfig(sliding_window_size=32), windowed).window.size == 32
+    with pytest.raises(ValueError, match="sliding_window_size=128 is larger than the model's own "
+                                         "sliding window of 64"):
+        make_plan(EngineConfig(sliding_window_size=128), windowed)
+    # On a model without one it windows every layer, with its sinks.
+    plan = make_plan(EngineConfig(sliding_window_size=100, attention_sink_size=4), _args(2048))
+    assert plan.bounded and (plan.window.size, plan.window.sinks) == (100, 4)
+    assert "100 tokens + 4 sinks on every layer" in plan.describe()
 
-    model = make_hf_llama(str(tmp_path / "qwen"), arch="qwen2", use_sliding_window=True, sliding_window=24,
-                          max_window_layers=0)
-    with Engine(model, verbose=False) as engine:
-        assert engine.plan.max_single_sequence_length == 24
-        prompt = list(range(5, 15))
-        tokens = generate_tokens(engine, prompt, SamplingParams(temperature=0, ignore_eos=True))
-        assert len(tokens) == 14  # until the context is full: it ends exactly at the window
+
+def test_streaming_past_the_context_needs_a_window_within_it():
+    config = dict(sliding_window_size=1000, attention_sink_size=4, max_single_sequence_length=10**6)
+    plan = make_plan(EngineConfig(**config), _args(2048))
+    # Local mode keeps KV for one stream: its sinks, window and a prefill chunk.
+    assert plan.max_single_sequence_length == 10**6
+    assert plan.max_total_sequence_length == (1 + -(-(999 + 2048) // 16) + 1) * 16
+    with pytest.raises(ValueError, match=r"past the context window of 2048 tokens, which needs "
+                                         r"sliding_window_size \+ attention_sink_size \(2046 \+ 4\)"):
+        make_plan(EngineConfig(**config | dict(sliding_window_size=2046)), _args(2048))
+    # A model whose window covers some layers only keeps full KV, so stays within its context.
+    mixed = dataclasses.replace(_args(2048), sliding_window=64, sliding_window_layers=(1,))
+    assert not make_plan(EngineConfig(), mixed).bounded
+    assert "64 tokens on layers 1 (KV not bounded: dense layers)" in make_plan(EngineConfig(), mixed).describe()
+    with pytest.raises(ValueError, match="exceeds the model's context window of 2048 tokens"):
+        make_plan(EngineConfig(max_single_sequence_length=4096), mixed)
+
+
+def test_a_window_must_exceed_the_deepest_draft():
+    with pytest.raises(ValueError, match="sliding window of 8 tokens must exceed the deepest draft "
+                                         r"\(8 tokens\)"):
+        make_plan(EngineConfig(sliding_window_size=8, speculative_mode="ngram", spec_draft_length=8),
+                  _args(2048))

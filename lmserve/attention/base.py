@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from lmserve.attention.window import AttentionWindow
+
 
 @dataclass
 class AttentionInput:
@@ -23,12 +25,33 @@ class AttentionInput:
     step and those of the step's tokens set in bit ``j'`` of ``tree_masks[i][j]`` (its ancestors
     in the tree and itself, bit 0 the first new token); its position (rotary) is the context
     before the step plus the bits set, minus one. None: causal, as a chain.
+
+    A sliding ``window`` (attention/window.py) restricts what the model's windowed layers
+    attend; when every layer is windowed (``dense_layers`` False) a page table's entries for
+    pages no query can see any more are ``RELEASED`` (the manager gave them back).
+    ``sink_cos``/``sink_sin``: ``(T, hd)`` rotary angles of ``window.sink_position`` of each
+    token's position, None when they equal its own (no query has moved past its sinks yet).
     """
 
     query_lens: list[int]
     context_lens: list[int]
     page_tables: list[list[int]]
     tree_masks: Optional[list[Optional[list[int]]]] = None
+    window: Optional[AttentionWindow] = None
+    dense_layers: bool = True
+    sink_cos: Optional[torch.Tensor] = None
+    sink_sin: Optional[torch.Tensor] = None
+
+    def first_keys(self, i: int) -> int:
+        """The oldest key past the sinks that sequence ``i``'s first new token sees (0 without a
+        window): its keys before it (the sinks excepted) are needed by no query of the step."""
+        if self.window is None:
+            return 0
+        return self.window.lowest_key(self.context_lens[i] - self.query_lens[i])
+
+
+# A page table entry whose page a sliding window has given back (see KVCacheManager).
+RELEASED = -1
 
 
 @dataclass(frozen=True)
@@ -70,9 +93,11 @@ class AttentionBackend(ABC):
         sin: torch.Tensor,  # (T, hd)
         k_cache: torch.Tensor,  # (slots, KVH, hd), or (pages, KVH, hd, page_size) if keys_transposed
         v_cache: torch.Tensor,  # (slots, KVH, hd); int8: (pages, KVH, hd + 4, page_size) bytes
+        windowed: bool = False,  # this layer attends within the step's window
     ) -> torch.Tensor:  # (T, H * hd) in qkv's dtype
         """Rotate q and k, write this step's keys/values into the cache, attend each query
-        causally over its sequence's cached keys (a draft tree's tokens: over their ancestors)."""
+        causally over its sequence's cached keys (a draft tree's tokens: over their ancestors;
+        a windowed layer's: over the keys its window shows)."""
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from lmserve.attention.base import AttentionBackend, AttentionInput, AttentionShape, register_backend
+from lmserve.attention.window import AttentionWindow
 from lmserve.kernels.build import load_kernel_library, why_unavailable
 from lmserve.layers.call_list import THREADS, Arg, Slot, address, float_word
 
@@ -23,7 +24,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 
 def _library() -> Optional[ctypes.CDLL]:
     lib = load_kernel_library(
-        "paged_attention", {"lm_paged_attention": [_P] * 13 + [_I] * 5 + [ctypes.c_float, _I, _I],
+        "paged_attention", {"lm_paged_attention": [_P] * 13 + [_I] * 5 + [ctypes.c_float, _I, _I] + [_P] * 4 + [_I, _I],
                             "lm_paged_attention_int8_kv": []})
     if lib is not None:  # (load_kernel_library's functions return nothing; this one answers)
         lib.lm_paged_attention_int8_kv.restype = ctypes.c_int
@@ -55,8 +56,10 @@ def _dtype_flags(io_dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
 
 # A step's attention inputs shared by every layer's call (see packed_call).
 _META_SLOTS = tuple(Slot(f"attention.{name}") for name in (
-    "cos", "sin", "slots", "pages", "page_offset", "context", "tree_start", "tree_bits"))
+    "cos", "sin", "slots", "pages", "page_offset", "context", "tree_start", "tree_bits",
+    "sink_cos", "sink_sin", "page_skip"))
 _PAGE_SIZE = Slot("attention.page_size")
+_WINDOW = (Slot("attention.window"), Slot("attention.sinks"))
 
 
 @dataclass
@@ -71,6 +74,17 @@ class PagedMeta:
     # bits (``AttentionInput.tree_masks``, as two's complement).
     tree_start: Optional[torch.Tensor] = None
     tree_bits: Optional[torch.Tensor] = None
+    # Sliding windows (None without): each token's window and sinks, the angles of its sink
+    # position (None: its own), and (T,) int32 how far its page table is shifted past its sink
+    # pages (the pages between them and its window are left out: see paged_attention.cpp).
+    window: Optional[AttentionWindow] = None
+    sink_cos: Optional[torch.Tensor] = None
+    sink_sin: Optional[torch.Tensor] = None
+    page_skip: Optional[torch.Tensor] = None
+
+
+def _address(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 @register_backend("cpu_paged")
@@ -92,13 +106,22 @@ class CpuPagedBackend(AttentionBackend):
         context: list[int] = []
         tree_start: list[int] = []
         tree_bits: list[int] = []
+        skips: list[int] = []
         trees = inp.tree_masks or [None] * len(inp.query_lens)
-        for qlen, ctx, table, masks in zip(inp.query_lens, inp.context_lens, inp.page_tables, trees):
-            used = table[: -(-ctx // page_size)]
+        sink_pages = -(-inp.window.sinks // page_size) if inp.window else 0
+        for i, (qlen, ctx, table, masks) in enumerate(
+                zip(inp.query_lens, inp.context_lens, inp.page_tables, trees)):
+            end = -(-ctx // page_size)
+            # Every layer windowed: only the sink pages and those of the step's windows.
+            skip = 0 if inp.dense_layers else max(0, inp.first_keys(i) // page_size - sink_pages)
+            used = table[:sink_pages] + table[sink_pages + skip : end] if skip else table[:end]
             offsets += [len(pages)] * qlen
+            skips += [skip] * qlen
             start = ctx - qlen
             for pos in range(start, ctx):
-                slots.append(used[pos // page_size] * page_size + pos % page_size)
+                index = pos // page_size
+                slots.append(used[index - skip if index >= sink_pages else index] * page_size
+                             + pos % page_size)
             if masks is None:
                 context += range(start + 1, ctx + 1)
                 tree_start += [-1] * qlen
@@ -118,28 +141,38 @@ class CpuPagedBackend(AttentionBackend):
         if inp.tree_masks is not None:
             meta.tree_start = torch.tensor(tree_start, dtype=torch.int32)
             meta.tree_bits = torch.tensor(tree_bits, dtype=torch.int64)
+        if inp.window is not None:
+            meta.window = inp.window
+            if inp.sink_cos is not None:
+                meta.sink_cos, meta.sink_sin = inp.sink_cos.contiguous(), inp.sink_sin.contiguous()
+            if any(skips):
+                meta.page_skip = torch.tensor(skips, dtype=torch.int32)
         return meta
 
     def packed_call(self, qkv: Arg, dtype: torch.dtype, q_buf: Arg, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, out: Arg, tokens: Arg) -> list[Arg]:
+                    v_cache: torch.Tensor, out: Arg, tokens: Arg, windowed: bool = False,
+                    q_sink: Arg = 0) -> list[Arg]:
         """``forward`` as a call for a ``CallList``: ``qkv`` (tokens, ...) of ``dtype`` (float32 or
-        bfloat16), ``out`` of the same dtype, ``q_buf`` float32 (tokens, H, hd) scratch; the
-        step's metadata and rotary angles are the slots ``call_values`` fills."""
+        bfloat16), ``out`` of the same dtype, ``q_buf`` (and for a ``windowed`` layer of a model
+        with sinks ``q_sink``) float32 (tokens, H, hd) scratch; the step's metadata and rotary
+        angles are the slots ``call_values`` fills."""
         flags = _dtype_flags(dtype, k_cache.dtype)
         return [address(self.lib.lm_paged_attention_packed), qkv, *_META_SLOTS[:3], q_buf,
-                k_cache.data_ptr(), v_cache.data_ptr(), *_META_SLOTS[3:], out, tokens,
+                k_cache.data_ptr(), v_cache.data_ptr(), *_META_SLOTS[3:8], out, tokens,
                 self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim, _PAGE_SIZE,
-                float_word(self.shape.scale), flags, THREADS]
+                float_word(self.shape.scale), flags, THREADS, *_META_SLOTS[8:10], q_sink,
+                _META_SLOTS[10], *(_WINDOW if windowed else (0, 0))]
 
     @staticmethod
     def call_values(meta: PagedMeta, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, int]:
         """The step's values of the slots in ``packed_call`` (cos and sin contiguous)."""
         tensors = (cos, sin, meta.slots, meta.pages, meta.page_offset, meta.context,
-                   meta.tree_start, meta.tree_bits)
-        values = {slot.name: 0 if t is None else t.data_ptr() for slot, t in zip(_META_SLOTS, tensors)}
-        return values | {_PAGE_SIZE.name: meta.page_size}
+                   meta.tree_start, meta.tree_bits, meta.sink_cos, meta.sink_sin, meta.page_skip)
+        values = {slot.name: _address(t) for slot, t in zip(_META_SLOTS, tensors)}
+        size, sinks = (meta.window.size, meta.window.sinks) if meta.window else (0, 0)
+        return values | {_PAGE_SIZE.name: meta.page_size, _WINDOW[0].name: size, _WINDOW[1].name: sinks}
 
-    def forward(self, meta: PagedMeta, qkv, cos, sin, k_cache, v_cache):
+    def forward(self, meta: PagedMeta, qkv, cos, sin, k_cache, v_cache, windowed=False):
         T, (H, KVH, hd) = qkv.shape[0], (self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim)
         dtype = qkv.dtype
         qkv = (qkv if dtype in (torch.float32, torch.bfloat16) else qkv.float()).contiguous()
@@ -147,11 +180,14 @@ class CpuPagedBackend(AttentionBackend):
         q_buf = torch.empty(T, H, hd, dtype=torch.float32)
         out = torch.empty(T, H * hd, dtype=qkv.dtype)
         flags = _dtype_flags(qkv.dtype, k_cache.dtype)
+        window = meta.window if windowed else None
+        q_sink = torch.empty_like(q_buf) if window and meta.sink_cos is not None else None
         self.lib.lm_paged_attention(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slots.data_ptr(), q_buf.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), meta.pages.data_ptr(),
             meta.page_offset.data_ptr(), meta.context.data_ptr(),
-            0 if meta.tree_start is None else meta.tree_start.data_ptr(),
-            0 if meta.tree_bits is None else meta.tree_bits.data_ptr(), out.data_ptr(),
-            T, H, KVH, hd, meta.page_size, self.shape.scale, flags, torch.get_num_threads())
+            _address(meta.tree_start), _address(meta.tree_bits), out.data_ptr(),
+            T, H, KVH, hd, meta.page_size, self.shape.scale, flags, torch.get_num_threads(),
+            *(_address(t) for t in (meta.sink_cos, meta.sink_sin, q_sink, meta.page_skip)),
+            window.size if window else 0, window.sinks if window else 0)
         return out.to(dtype)

@@ -5,6 +5,8 @@ kernel is several times slower than its float32 one, and float32 is the more acc
 
 Decode sequences (one query token each) are attended together in one call over their gathered,
 padded KV; each prefill chunk is attended on its own, causally, over its cached prefix plus itself.
+A windowed layer attends each sequence on its own over the pages its window shows, with its
+sinks scored from their position (attention/window.py) by an explicit softmax.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.attention.base import AttentionBackend, AttentionInput, register_backend
+from lmserve.attention.window import AttentionWindow
 from lmserve.layers.rotary import apply_rotary
 
 
@@ -30,6 +33,17 @@ class PrefillPart:
 
 
 @dataclass
+class WindowPart:
+    """One sequence's tokens under a window: the pages of the keys they see, and which they see."""
+
+    start: int  # first token in the flat batch
+    length: int
+    pages: torch.Tensor  # (P,) the sink pages and those of the step's windows
+    mask: torch.Tensor  # (n, P * page_size) True where a query attends a key
+    sinks: torch.Tensor  # (P * page_size,) True for the sink keys
+
+
+@dataclass
 class NativeMeta:
     page_size: int
     slot_mapping: torch.Tensor  # (T,) where each new token's KV is written
@@ -37,6 +51,9 @@ class NativeMeta:
     decode_pages: torch.Tensor | None  # (Bd, Pmax) page tables, padded
     decode_mask: torch.Tensor | None  # (Bd, 1, 1, Pmax * page_size) True where a key is real
     prefills: list[PrefillPart]
+    windowed: list[WindowPart] | None = None  # the same for windowed layers
+    sink_cos: torch.Tensor | None = None  # (T, hd) each query's sink position's angles (None: its own)
+    sink_sin: torch.Tensor | None = None
 
 
 def _new_slots(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
@@ -77,7 +94,9 @@ class TorchNativeBackend(AttentionBackend):
         for i, (qlen, ctx, pages, tree) in enumerate(
                 zip(inp.query_lens, inp.context_lens, inp.page_tables, trees)):
             slot_chunks.append(_new_slots(pages, ctx - qlen, ctx, page_size))
-            if qlen == 1:
+            if not inp.dense_layers:
+                pass
+            elif qlen == 1:
                 decode_tokens.append(start)
                 decode_seqs.append(i)
             elif ctx == qlen and tree is None:
@@ -93,6 +112,9 @@ class TorchNativeBackend(AttentionBackend):
             start += qlen
 
         meta = NativeMeta(page_size, torch.cat(slot_chunks).to(device), None, None, None, prefills)
+        if inp.window is not None:
+            meta.windowed = _window_parts(inp, trees, page_size, device)
+            meta.sink_cos, meta.sink_sin = inp.sink_cos, inp.sink_sin
         if decode_tokens:
             lens = torch.tensor([inp.context_lens[i] for i in decode_seqs])
             n_pages = -(-int(lens.max()) // page_size)
@@ -106,16 +128,23 @@ class TorchNativeBackend(AttentionBackend):
             meta.decode_mask = mask[:, None, None, :].to(device)
         return meta
 
-    def forward(self, meta, qkv, cos, sin, k_cache, v_cache):
+    def forward(self, meta, qkv, cos, sin, k_cache, v_cache, windowed=False):
         T, (H, KVH, hd) = qkv.shape[0], (self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim)
-        q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1)
-        q = apply_rotary(q.view(T, H, hd), cos, sin)  # (T, H, hd)
+        q_raw, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1)
+        q = apply_rotary(q_raw.view(T, H, hd), cos, sin)  # (T, H, hd)
         k = apply_rotary(k.view(T, KVH, hd), cos, sin)  # (T, KVH, hd)
         v = v.view(T, KVH, hd)
         scale, page_size = self.shape.scale, meta.page_size
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)  # (T, H, hd)
+        if windowed:
+            q_sink = None if meta.sink_cos is None else \
+                apply_rotary(q_raw.view(T, H, hd), meta.sink_cos, meta.sink_sin)
+            for part in meta.windowed:
+                out[part.start : part.start + part.length] = _attend_window(
+                    part, q, q_sink, k_cache, v_cache, page_size, scale).to(out.dtype)
+            return out.view(T, H * hd)
 
         if meta.decode_tokens is not None:
             qd = q.index_select(0, meta.decode_tokens).unsqueeze(2).float()  # (Bd, H, 1, hd)
@@ -144,3 +173,49 @@ class TorchNativeBackend(AttentionBackend):
             )  # (1, H, n, hd)
             out[chunk] = op.squeeze(0).transpose(0, 1).to(out.dtype)
         return out.view(T, H * hd)
+
+
+def _window_parts(inp: AttentionInput, trees: list, page_size: int,
+                  device: torch.device) -> list[WindowPart]:
+    """Each sequence's ``WindowPart`` (see ``AttentionWindow`` for what a query sees)."""
+    window: AttentionWindow = inp.window
+    sink_pages = -(-window.sinks // page_size)
+    parts: list[WindowPart] = []
+    start = 0
+    for i, (qlen, ctx, table, tree) in enumerate(
+            zip(inp.query_lens, inp.context_lens, inp.page_tables, trees)):
+        end = -(-ctx // page_size)
+        first = max(sink_pages, inp.first_keys(i) // page_size)
+        index = list(range(min(sink_pages, end))) + list(range(first, end))
+        keys = (torch.tensor(index).unsqueeze(1) * page_size + torch.arange(page_size)).flatten()
+        step_start = ctx - qlen
+        if tree is None:
+            positions = torch.arange(step_start, ctx).unsqueeze(1)  # (n, 1)
+            causal = keys <= positions
+        else:  # the keys before the tree, then its tokens' ancestors and themselves
+            positions = torch.tensor([step_start + m.bit_count() - 1 for m in tree]).unsqueeze(1)
+            in_step = keys >= step_start
+            bits = _tree_mask(tree, 0, len(tree))[:, (keys - step_start).clamp(0, len(tree) - 1)]
+            causal = ~in_step | (bits & in_step)
+        sees = (keys < window.sinks) | (keys > positions - window.size)
+        parts.append(WindowPart(start, qlen, torch.tensor([table[j] for j in index], device=device),
+                                (causal & sees).to(device), (keys < window.sinks).to(device)))
+        start += qlen
+    return parts
+
+
+def _attend_window(part: WindowPart, q: torch.Tensor, q_sink: torch.Tensor | None,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int,
+                   scale: float) -> torch.Tensor:
+    """(n, H, hd) float32 attention of one ``WindowPart``'s queries."""
+    chunk = slice(part.start, part.start + part.length)
+    kp = _gather_pages(k_cache, part.pages, page_size).float()  # (L, KVH, hd)
+    vp = _gather_pages(v_cache, part.pages, page_size).float()
+    groups = q.shape[1] // kp.shape[1]
+    kp, vp = kp.repeat_interleave(groups, dim=1), vp.repeat_interleave(groups, dim=1)  # (L, H, hd)
+    scores = torch.einsum("nhd,lhd->hnl", q[chunk].float(), kp) * scale  # (H, n, L)
+    if q_sink is not None:  # the sinks scored from the queries' sink positions
+        sink_scores = torch.einsum("nhd,lhd->hnl", q_sink[chunk].float(), kp) * scale
+        scores = torch.where(part.sinks, sink_scores, scores)
+    weights = scores.masked_fill(~part.mask, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hnl,lhd->nhd", weights, vp)

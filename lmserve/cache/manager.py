@@ -9,12 +9,21 @@ verified tokens ever enter the prefix cache.
 
 With a draft model (``with_draft``) a second KV cache uses the same pages; a page enters the
 prefix cache only when both caches hold its tokens, so a reused prefix is complete in both.
+
+Under a sliding window on every layer (``window``) a sequence gives back, after every step, the
+pages no later query can see: those wholly between its sink pages and the page of the oldest key
+its next token's window holds (``AttentionWindow.first_needed``). Their entries in its page table
+become ``RELEASED``; it then holds at most ``AttentionWindow.max_pages``. Only the part of a
+sequence before its first released page can enter the prefix cache, so every cached prefix is
+complete, and a request that reuses one sees exactly the keys it would have computed.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from lmserve.attention.base import RELEASED
+from lmserve.attention.window import AttentionWindow
 from lmserve.cache.pages import PagePool, pages_needed
 from lmserve.cache.radix import RadixCache
 from lmserve.request import Sequence
@@ -24,11 +33,14 @@ class KVCacheManager:
     """Full-attention paged KV: a sequence holds the pages of positions ``[0, len)`` in order."""
 
     def __init__(self, pool: PagePool, page_size: int,
-                 prefix_cache: Optional[RadixCache] = None, with_draft: bool = False) -> None:
+                 prefix_cache: Optional[RadixCache] = None, with_draft: bool = False,
+                 window: Optional[AttentionWindow] = None) -> None:
         self.pool = pool
         self.page_size = page_size
         self.prefix_cache = prefix_cache
         self.with_draft = with_draft
+        self.window = window
+        self._sink_pages = -(-window.sinks // page_size) if window else 0
 
     def match_prefix(self, seq: Sequence) -> bool:
         """Start a sequence without KV from the cached pages of its longest cached prefix
@@ -43,6 +55,7 @@ class KVCacheManager:
         seq.pages = pages
         seq.num_computed = len(pages) * self.page_size
         seq.num_draft_computed = seq.num_computed if self.with_draft else 0
+        self.release_past_window(seq)
         return True
 
     def pages_to_allocate(self, seq: Sequence, num_tokens: int, lookahead: int = 0) -> int:
@@ -84,14 +97,32 @@ class KVCacheManager:
             self.pool.release(seq.pages[keep:])
             del seq.pages[keep:]
 
+    def release_past_window(self, seq: Sequence) -> None:
+        """Give back the pages of ``seq`` that no query from its next token on can see (under a
+        window on every layer; else nothing). Pages a rejected draft could roll back into lie
+        past ``num_computed`` and are never among them."""
+        if self.window is None:
+            return
+        oldest = min(seq.num_computed, seq.num_draft_computed) if self.with_draft else seq.num_computed
+        end = min(self.window.first_needed(oldest) // self.page_size, len(seq.pages))
+        first = self._sink_pages + seq.num_released_pages
+        if end > first:
+            self.pool.release(seq.pages[first:end])
+            seq.pages[first:end] = [RELEASED] * (end - first)
+            seq.num_released_pages += end - first
+
+    def pages_held(self, seq: Sequence) -> int:
+        """Pages of ``seq``'s table that it still holds."""
+        return len(seq.pages) - seq.num_released_pages
+
     def free(self, seq: Sequence, recycle: bool = False) -> None:
         """Release every page of ``seq`` (offering its verified tokens to the prefix cache first
         when ``recycle``); the sequence then has no KV (``num_computed`` is 0)."""
         if recycle and self.prefix_cache is not None:
             self.prefix_cache.recycle(seq.token_ids[: self._num_cacheable(seq)], seq.pages)
-        self.pool.release(seq.pages)
+        self.pool.release([p for p in seq.pages if p != RELEASED])
         seq.pages = []
-        seq.num_computed = seq.num_draft_computed = 0
+        seq.num_computed = seq.num_draft_computed = seq.num_released_pages = 0
 
     def slot(self, seq: Sequence, position: int) -> int:
         """The KV cache slot of ``seq``'s token at ``position`` (it must have a page)."""
@@ -103,7 +134,8 @@ class KVCacheManager:
         return self.pool.num_used - cache_only
 
     def _num_cacheable(self, seq: Sequence) -> int:
-        """Leading tokens whose KV every cache holds."""
-        if self.with_draft:
-            return min(seq.num_computed, seq.num_draft_computed)
-        return seq.num_computed
+        """Leading tokens whose KV every cache holds, before any page the window released."""
+        n = min(seq.num_computed, seq.num_draft_computed) if self.with_draft else seq.num_computed
+        if seq.num_released_pages:
+            n = min(n, self._sink_pages * self.page_size)
+        return n

@@ -18,7 +18,7 @@ from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
 from lmserve.models.loader import read_model_args, resolve_model_path
 from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
-from lmserve.plan import make_plan
+from lmserve.plan import make_plan, resolve_window
 from lmserve.protocol import InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.sampler import SampleResult, SamplingBatch, sample
@@ -62,16 +62,24 @@ class EngineCore:
         self.device = torch.device("cpu")
 
         self.runner = build_worker(path, self.args, self.plan, opt, self.device)
-        # A draft model is a second worker over the same page ids (its own KV tensors).
-        self.draft_runner = None if draft_args is None else build_worker(
-            draft_path, draft_args, dataclasses.replace(self.plan, kv_dtype=self.plan.draft_kv_dtype),
-            parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT), self.device)
+        # A draft model is a second worker over the same page ids (its own KV tensors). Under a
+        # window on every layer it attends within the same window (pages past it are given
+        # back; its drafts only need to be good guesses), else within its own, if any.
+        self.draft_runner = None
+        if draft_args is not None:
+            draft_plan = dataclasses.replace(self.plan, kv_dtype=self.plan.draft_kv_dtype)
+            if not self.plan.bounded:
+                window, layers = resolve_window(None, None, draft_args)
+                draft_plan = dataclasses.replace(draft_plan, window=window, window_layers=layers)
+            self.draft_runner = build_worker(draft_path, draft_args, draft_plan,
+                                             parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT), self.device)
         self.tokenizer = Tokenizer.from_model(path)
         plan = self.plan
         self.pool = PagePool(plan.num_pages)
         self.prefix_cache = self._make_prefix_cache(config, plan)
         self.kv_manager = KVCacheManager(self.pool, plan.page_size, self.prefix_cache,
-                                         with_draft=self.draft_runner is not None)
+                                         with_draft=self.draft_runner is not None,
+                                         window=plan.window if plan.bounded else None)
         self.speculator = make_speculator(config, plan, self.draft_runner)
         self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
                                    config.prefill_mode,

@@ -33,6 +33,12 @@
 // tree_start + d + 1), read from where the tree put them. Every operation of its row is then the
 // one its chain's row does, so a verified draft's output is bit-identical to decoding it.
 //   out        (T, H, D)              bf16 or fp32
+//
+// Sliding windows (window > 0, the call's layer is windowed): token t sees the keys
+// [ctx - window, ctx) and the first `sinks` keys (attention/window.py). It scores the sinks with
+// its query rotated by sink_cos/sink_sin (kept in q_sink) where those are given, else with its
+// query. page_skip (T,) or null: the token's page table lacks the pages between the sinks' and
+// its window's, entries from ceil(sinks / page_size) on are stored page_skip places earlier.
 #include <omp.h>
 #include <string.h>
 
@@ -48,6 +54,14 @@ namespace {
 using namespace lm;
 
 constexpr int kMaxD = 256;      // head_dim limit (multiple of 16)
+
+// A token's page table: entry i holds the page of keys [i * page_size, (i + 1) * page_size).
+struct PageTable {
+  const int32_t* p;
+  int sink_pages = 0;  // entries before the gap a sliding window leaves (see page_skip)
+  int skip = 0;
+  int64_t operator[](int i) const { return p[i < sink_pages ? i : i - skip]; }
+};
 
 // Cache elements after a head's D that an int8 cache adds (other caches hold the values
 // themselves): a key's float scale and int32 code sum, a value's float scale (rows of page_size).
@@ -99,7 +113,7 @@ inline void rotate_head(const Src* x, const float* cos, const float* sin, Dst* d
 template <typename QKV, typename Cache>
 void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const int64_t* slots,
                     float* q_out, Cache* kc, Cache* vc, int T, int H, int KVH, int D,
-                    int page_size) {
+                    int page_size, const float* sink_cos, const float* sink_sin, float* q_sink) {
   const int64_t row = (int64_t)(H + 2 * KVH) * D;
 #pragma omp for schedule(static)
   for (int t = 0; t < T; ++t) {
@@ -107,6 +121,10 @@ void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const in
     const float* c = cos + (int64_t)t * D;
     const float* s = sin + (int64_t)t * D;
     for (int h = 0; h < H; ++h) rotate_head(src + h * D, c, s, q_out + ((int64_t)t * H + h) * D, D);
+    if (q_sink)
+      for (int h = 0; h < H; ++h)
+        rotate_head(src + h * D, sink_cos + (int64_t)t * D, sink_sin + (int64_t)t * D,
+                    q_sink + ((int64_t)t * H + h) * D, D);
     const int64_t page = slots[t] / page_size, offset = slots[t] % page_size;
     for (int h = 0; h < KVH; ++h) {
       Cache* kh = kc + (page * KVH + h) * (D + kKeyExtra<Cache>) * page_size;
@@ -208,13 +226,12 @@ inline void block_scores_q8(const uint32_t* const* qw, const float* q_scale, int
   }
 }
 
-// A row's online-softmax update for one block: the scores s (the first n live, n in 1..16)
+// A row's online-softmax update for one block: the scores s (those in `live`, at least one)
 // become the weights p in place; m (running max) and l (running sum) are updated. Returns the
 // factor the row's earlier weighted values are scaled by. A live score of NaN or +infinity (a
 // NaN or infinite query or key) makes the row NaN from here on, as torch's softmax would: the
 // max of 16 lanes with a NaN depends on its lane, which once let such a key zero parts of rows.
-inline float softmax_update(float* s, int n, float& m, float& l) {
-  const __mmask16 live = (__mmask16)((1u << n) - 1);
+inline float softmax_update(float* s, __mmask16 live, float& m, float& l) {
   const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_load_ps(s));
   if (_mm512_cmp_ps_mask(sv, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ) || std::isnan(m)) {
     m = l = NAN;
@@ -224,17 +241,16 @@ inline float softmax_update(float* s, int n, float& m, float& l) {
   const float m_new = std::max(m, _mm512_reduce_max_ps(sv));
   const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
   const float alpha = m == -INFINITY ? 0.f : std::exp(m - m_new);
-  l = l * alpha + _mm512_reduce_add_ps(p);
+  l = std::fma(l, alpha, _mm512_reduce_add_ps(p));  // fused at every inlined site alike
   m = m_new;
   _mm512_store_ps(s, p);
   return alpha;
 }
 
-// With an int8 cache a row's weights (its first n live) are multiplied by their keys' value
+// With an int8 cache a row's weights (those live) are multiplied by their keys' value
 // scales before they weight the value codes, the rest set to 0 (a later key's NaN scale must not
 // reach the row); l keeps the plain weights.
-inline void scale_weights(float* p, int n, const float* value_scales) {
-  const __mmask16 live = (__mmask16)((1u << n) - 1);
+inline void scale_weights(float* p, __mmask16 live, const float* value_scales) {
   _mm512_store_ps(p, _mm512_maskz_mul_ps(live, _mm512_load_ps(p), _mm512_load_ps(value_scales)));
 }
 
@@ -309,7 +325,7 @@ inline void store_row(const float* acc, float l, Out* out, int D) {
 // asking for a whole chunk's lines at once stalled on the core's outstanding misses
 // (kernel_ab.py paged_attention --kv bf16 / int8: decode over 16 streams 7-11% / 0-6% faster).
 template <typename Cache>
-void prefetch_keys(const Cache* kc, const int32_t* pages, int start, int n_keys, int kvh, int KVH, int D,
+void prefetch_keys(const Cache* kc, PageTable pages, int start, int n_keys, int kvh, int KVH, int D,
                    int page_size) {
   if (start >= n_keys) return;
   const int64_t page_id = pages[start / page_size];
@@ -330,7 +346,7 @@ void prefetch_keys(const Cache* kc, const int32_t* pages, int start, int n_keys,
 
 // The same for the block's values.
 template <typename Cache>
-void prefetch_values(const Cache* vc, const int32_t* pages, int start, int n_keys, int kvh, int KVH,
+void prefetch_values(const Cache* vc, PageTable pages, int start, int n_keys, int kvh, int KVH,
                      int D, int page_size) {
   if (start >= n_keys) return;
   const int64_t page_id = pages[start / page_size];
@@ -363,36 +379,59 @@ inline void with_rows(int R, Fn fn) {
 inline int64_t row_at(int r, int G, int H, int D) { return ((int64_t)(r / G) * H + r % G) * D; }
 
 // Attention of the rows of `tokens` consecutive tokens of one sequence (token i sees keys
-// [0, ctx[i])) and the G query heads sharing KV head `kvh`, key block by key block, through
-// copies of each block's keys and values shared by up to 16 rows (widened to float32, or an int8
-// cache's codes as the integer dot products read them).
+// [0, ctx[i]), or under a window those of Window::visible) and the G query heads sharing KV
+// head `kvh`, key block by key block, through copies of each block's keys and values shared by
+// up to 16 rows (widened to float32, or an int8 cache's codes as the integer dot products read
+// them).
 //
 // A draft tree's token comes alone (tokens = 1) with its tree's start (else -1) and bits: its key
 // positions from tree_start on are read from its ancestors' cache positions.
+struct Window {
+  int size = 0;   // 0: none
+  int sinks = 0;
+  const float* q_sink = nullptr;  // the rows' queries for the sinks (laid out as q), or null
+  // Token i's oldest window key, and its keys below which are sinks (scored with q_sink).
+  int lowest(int ctx) const { return size ? std::max(0, ctx - size) : 0; }
+  int sink_end(int ctx) const { return std::min(sinks, lowest(ctx)); }
+  // The lanes of the block of 16 keys from `start` a token with `ctx` keys sees.
+  __mmask16 visible(int start, int ctx) const {
+    auto lanes = [&](int lo, int hi) {  // keys [lo, hi) of the block as lanes
+      lo = std::max(lo, start) - start, hi = std::min(hi, start + 16) - start;
+      return hi > lo ? (uint32_t)(((1ull << hi) - 1) & ~((1ull << lo) - 1)) : 0u;
+    };
+    return (__mmask16)(lanes(0, sink_end(ctx)) | lanes(lowest(ctx), ctx));
+  }
+};
+
 template <int kDV, typename Cache, typename Out>
-void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages,
+void attend_group(const float* q, const Cache* kc, const Cache* vc, PageTable pages,
                   const int32_t* ctx, int tokens, int kvh, int G, int H, int KVH, int D,
-                  int page_size, float scale, Out* out, int tree_start, uint64_t tree_bits) {
+                  int page_size, float scale, Out* out, int tree_start, uint64_t tree_bits,
+                  Window window) {
   const int R = tokens * G;
   float m[kMaxRows], l[kMaxRows];
   alignas(64) float acc[kMaxRows][kMaxD];
   constexpr bool kInt8 = kKeyExtra<Cache> > 0;
   // A block's keys transposed and its values, or with an int8 cache the keys' codes and the
   // values' rows of words as vpdpbusd reads them, their scales, the keys' code sums, and the
-  // rows' quantized queries.
+  // rows' quantized queries (then their sink queries).
   alignas(64) float kt[kInt8 ? 1 : kMaxD][16], vf[kInt8 ? 1 : 16][kMaxD];
   alignas(64) uint32_t kq[kInt8 ? kMaxD / 4 : 1][16], vq[kInt8 ? 4 : 1][kInt8 ? kMaxD : 1];
   alignas(64) float k_scales[16], v_scales[16];
   alignas(64) int32_t k_sums[16];
-  alignas(64) uint32_t qw[kInt8 ? kMaxRows : 1][kMaxD / 4];
-  float q_scales[kMaxRows];
+  alignas(64) uint32_t qw[kInt8 ? 2 * kMaxRows : 1][kMaxD / 4];
+  float q_scales[2 * kMaxRows];
   const int64_t k_head = (int64_t)(D + kKeyExtra<Cache>) * page_size;
   const int64_t v_head = (int64_t)(D + kValueExtra<Cache>) * page_size;  // an int8 cache's
+  const bool sink_rows = window.q_sink != nullptr;
   for (int r = 0; r < R; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.f;
     memset(acc[r], 0, sizeof(float) * D);
-    if constexpr (kInt8) q_scales[r] = query_words(q + row_at(r, G, H, D), qw[r], D);
+    if constexpr (kInt8) {
+      q_scales[r] = query_words(q + row_at(r, G, H, D), qw[r], D);
+      if (sink_rows) q_scales[kMaxRows + r] = query_words(window.q_sink + row_at(r, G, H, D), qw[kMaxRows + r], D);
+    }
   }
   const int DV = kDV ? kDV : D / 16;  // compile-time for common head sizes: registers, unrolled
   const int n_keys = ctx[tokens - 1];  // the last token sees the most keys
@@ -400,15 +439,36 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
   if (tree_start >= 0)
     for (int i = 0, b = 0; b < 64; ++b)
       if (tree_bits >> b & 1) ancestor[i++] = b;
+  // Under a window the keys [gap_lo, gap_hi) are seen by no row (their pages may be gone): the
+  // blocks wholly inside are skipped, the lanes of the others read as zeros. Whole pages, so
+  // the keys read (sink pages, the pages of the windows) are those the sequence holds.
+  const int sink_max = window.sink_end(n_keys), lo_min = window.lowest(ctx[0]);
+  const int gap_lo = (sink_max + page_size - 1) / page_size * page_size;
+  const int gap_hi = std::max(gap_lo, lo_min / page_size * page_size);
   // Blocks are aligned to absolute key positions, so the order of every floating-point
-  // operation of a row depends only on that row's context length.
+  // operation of a row depends only on that row's context length (and window).
   for (int start = 0; start < n_keys; start += 16) {
+    if (start >= gap_lo && start + 16 <= gap_hi) continue;
     const int n = std::min(16, n_keys - start);
     // Copy the keys [start, start + n) run by run (a run lies in one page) and widen them; a
     // tree token's keys from its tree's start on are single runs from its ancestors' positions.
     for (int j = 0; j < n;) {
       int64_t at = start + j;  // cache position of key j
       int run;
+      if (at >= gap_lo && at < gap_hi) {  // zeros, never another sequence's KV or a gone page
+        run = std::min(n - j, (int)(gap_hi - at));
+        const __mmask16 lanes = (__mmask16)(((1u << run) - 1) << j);
+        if constexpr (kInt8) {
+          for (int e = 0; e < D / 4; ++e) _mm512_mask_storeu_epi32(kq[e], lanes, _mm512_setzero_si512());
+          for (int i = j; i < j + run; ++i) k_scales[i] = v_scales[i] = 0.f, k_sums[i] = 0;
+          for (int g = j / 4; g < (j + run) / 4; ++g) memset(vq[g], 0, sizeof(uint32_t) * D);
+        } else {
+          for (int d = 0; d < D; ++d) _mm512_mask_storeu_ps(kt[d], lanes, _mm512_setzero_ps());
+          for (int i = j; i < j + run; ++i) memset(vf[i], 0, sizeof(float) * D);
+        }
+        j += run;
+        continue;
+      }
       if (tree_start >= 0 && at >= tree_start) {
         at = tree_start + ancestor[at - tree_start];
         run = 1;
@@ -461,43 +521,58 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
     // exp) overlap across rows.
     alignas(64) float pj[kMaxRows][16];
     float alpha[kMaxRows];
-    int n_row[kMaxRows];
-    for (int r = 0; r < R; ++r) n_row[r] = std::min(16, ctx[r / G] - start);  // keys it sees
-    for (int r0 = 0; r0 < R; r0 += 4) {
-      if constexpr (kInt8) {
-        const uint32_t* qr[4];
-        for (int i = 0; i < 4; ++i) qr[i] = qw[std::min(r0 + i, R - 1)];
-        block_scores_q8(qr, q_scales + r0, D, scale, k_scales, k_sums,
-                        [&](int e) { return _mm512_load_si512(kq[e]); }, pj + r0, std::min(4, R - r0));
-      } else {
-        const float* qr[4];
-        for (int i = 0; i < 4; ++i) qr[i] = q + row_at(std::min(r0 + i, R - 1), G, H, D);
-        block_scores(qr, DV, scale, [&](int d) { return _mm512_load_ps(kt[d]); }, pj + r0,
-                     std::min(4, R - r0));
+    int n_row[kMaxRows];  // keys of the block up to the row's last one seen (0: none)
+    __mmask16 live[kMaxRows];
+    for (int r = 0; r < R; ++r) {
+      live[r] = window.visible(start, ctx[r / G]);
+      n_row[r] = live[r] ? 32 - __builtin_clz((uint32_t)live[r]) : 0;
+    }
+    // The rows' scores with their queries, then (a block holding sinks some row scores from
+    // its sink position) with their sink queries, taken for the lanes of those sinks.
+    for (int pass = 0; pass < (sink_rows && start < sink_max ? 2 : 1); ++pass) {
+      alignas(64) float ps[kMaxRows][16];
+      float (*dst)[16] = pass ? ps : pj;
+      const float* qs = pass ? window.q_sink : q;
+      for (int r0 = 0; r0 < R; r0 += 4) {
+        if constexpr (kInt8) {
+          const uint32_t* qr[4];
+          for (int i = 0; i < 4; ++i) qr[i] = qw[pass * kMaxRows + std::min(r0 + i, R - 1)];
+          block_scores_q8(qr, q_scales + pass * kMaxRows + r0, D, scale, k_scales, k_sums,
+                          [&](int e) { return _mm512_load_si512(kq[e]); }, dst + r0, std::min(4, R - r0));
+        } else {
+          const float* qr[4];
+          for (int i = 0; i < 4; ++i) qr[i] = qs + row_at(std::min(r0 + i, R - 1), G, H, D);
+          block_scores(qr, DV, scale, [&](int d) { return _mm512_load_ps(kt[d]); }, dst + r0,
+                       std::min(4, R - r0));
+        }
       }
+      if (pass)
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < std::min(16, window.sink_end(ctx[r / G]) - start); ++j) pj[r][j] = ps[r][j];
     }
     for (int r = 0; r < R; ++r)
       if (n_row[r] > 0) {
-        alpha[r] = softmax_update(pj[r], n_row[r], m[r], l[r]);
-        if constexpr (kInt8) scale_weights(pj[r], n_row[r], v_scales);
+        alpha[r] = softmax_update(pj[r], live[r], m[r], l[r]);
+        if constexpr (kInt8) scale_weights(pj[r], live[r], v_scales);
       }
     if constexpr (kInt8) {  // exact integer sums, 4 rows at a time
       alignas(64) uint32_t w[kMaxRows][8];
       float step[kMaxRows];
-      bool live[kMaxRows + 3] = {};
+      bool alive[kMaxRows + 3] = {};
       for (int r = 0; r < R; ++r)
-        if ((live[r] = n_row[r] > 0)) step[r] = weight_words(pj[r], w[r]);
+        if ((alive[r] = n_row[r] > 0)) step[r] = weight_words(pj[r], w[r]);
       for (int r0 = 0; r0 < R; r0 += 4)
         for (int d0 = 0; d0 < DV; d0 += 4) {
           const int dn = std::min(4, DV - d0);
           __m512i dots[4][4];
-          value_dots(w + r0, live + r0, (n + 3) / 4, [&](int g) { return vq[g]; }, d0, dn, dots);
+          value_dots(w + r0, alive + r0, (n + 3) / 4, [&](int g) { return vq[g]; }, d0, dn, dots);
           for (int r = r0; r < std::min(R, r0 + 4); ++r)
-            if (live[r]) add_value_dots(acc[r], alpha[r], step[r], dots[r - r0], d0, dn);
+            if (alive[r]) add_value_dots(acc[r], alpha[r], step[r], dots[r - r0], d0, dn);
         }
     } else {
       // Keys outer, head-dim chunks inner: the DV accumulators are independent FMA chains that
-      // overlap (one chain per chunk would wait on the FMA latency at every key).
+      // overlap (one chain per chunk would wait on the FMA latency at every key). A lane the row
+      // does not see has weight 0 (softmax_update) against a finite value: it adds nothing.
       for (int r = 0; r < R; ++r) {
         if (n_row[r] <= 0) continue;
         __m512 a[kMaxD / 16];
@@ -522,7 +597,7 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, const int32_
 // values with keys outer and rows inner, so a value vector is loaded (and widened) once for all
 // rows. 10-20% faster than attend_group on decode over 16 streams (alternating runs).
 template <int kDV, typename Cache, typename Out>
-void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages,
+void attend_direct(const float* q, const Cache* kc, const Cache* vc, PageTable pages,
                    const int32_t* ctx, int tokens, int kvh, int G, int H, int KVH, int D,
                    int page_size, float scale, Out* out) {
   constexpr int kChunk = 4;
@@ -591,8 +666,9 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
     for (int b = 0; b < nb; ++b)
       for (int r = 0; r < R; ++r)
         if (n_row[b][r] > 0) {
-          alpha[b][r] = softmax_update(pj[b][r], n_row[b][r], m[r], l[r]);
-          if constexpr (kInt8) scale_weights(pj[b][r], n_row[b][r], v_scales[b]);
+          const __mmask16 live = (__mmask16)((1u << n_row[b][r]) - 1);
+          alpha[b][r] = softmax_update(pj[b][r], live, m[r], l[r]);
+          if constexpr (kInt8) scale_weights(pj[b][r], live, v_scales[b]);
         }
     if constexpr (kInt8) {  // each row's weights as words of 4 keys against the value rows
       alignas(64) uint32_t w[kChunk][4][8];
@@ -652,9 +728,9 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, const int32
 
 template <typename Cache, typename Out>
 void attention(const float* q, const Cache* kc, const Cache* vc, const int32_t* pages,
-               const int64_t* page_off, const int32_t* ctx, const int32_t* tree_start,
-               const uint64_t* tree_bits, Out* out, int T, int H, int KVH, int D, int page_size,
-               float scale) {
+               const int64_t* page_off, const int32_t* page_skip, const int32_t* ctx,
+               const int32_t* tree_start, const uint64_t* tree_bits, Out* out, int T, int H,
+               int KVH, int D, int page_size, float scale, Window window) {
   const int G = H / KVH;
   const int max_tokens = std::max(1, kMaxRows / G);
   auto in_tree = [&](int t) { return tree_start && tree_start[t] >= 0; };
@@ -673,18 +749,21 @@ void attention(const float* q, const Cache* kc, const Cache* vc, const int32_t* 
               : D == 128 ? attend_group<8, Cache, Out> : attend_group<0, Cache, Out>;
   auto* direct = D == 64 ? attend_direct<4, Cache, Out>
                : D == 128 ? attend_direct<8, Cache, Out> : attend_direct<0, Cache, Out>;
+  const int sink_pages = (window.sinks + page_size - 1) / page_size;
   auto attend = [&](int i, int kvh) {
     const int t = group_start[i], n = group_start[i + 1] - t;
-    const float* qt = q + ((int64_t)t * H + kvh * G) * D;
-    Out* ot = out + ((int64_t)t * H + kvh * G) * D;
+    const int64_t row = ((int64_t)t * H + kvh * G) * D;
+    Out* ot = out + row;
+    const PageTable table{pages + page_off[t], sink_pages, page_skip ? page_skip[t] : 0};
+    Window w = window;
+    if (w.q_sink) w.q_sink += row;
     if (in_tree(t))
-      group(qt, kc, vc, pages + page_off[t], ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot,
-            tree_start[t], tree_bits[t]);
-    else if (n * G <= 4 && page_size % 16 == 0)
-      direct(qt, kc, vc, pages + page_off[t], ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot);
+      group(q + row, kc, vc, table, ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot,
+            tree_start[t], tree_bits[t], w);
+    else if (n * G <= 4 && page_size % 16 == 0 && (!w.size || ctx[t + n - 1] <= w.size))
+      direct(q + row, kc, vc, table, ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot);
     else
-      group(qt, kc, vc, pages + page_off[t], ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot,
-            -1, 0);
+      group(q + row, kc, vc, table, ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot, -1, 0, w);
   };
   // Rows are independent, so how they are grouped or spread over threads cannot change them.
   // With enough groups a thread takes all KV heads of one: it then reads each page's keys and
@@ -705,15 +784,16 @@ template <typename QKV, typename Cache, typename Out>
 void run(const void* qkv, const float* cos, const float* sin, const int64_t* slots, float* q_buf,
          void* kc, void* vc, const int32_t* pages, const int64_t* page_off, const int32_t* ctx,
          const int32_t* tree_start, const uint64_t* tree_bits, void* out, int T, int H, int KVH,
-         int D, int page_size, float scale) {
+         int D, int page_size, float scale, const float* sink_cos, const float* sink_sin,
+         float* q_sink, const int32_t* page_skip, Window window) {
   // One parallel region for both (each thread finds the same groups): a region's start and end
   // cost more than the barrier between its loops.
 #pragma omp parallel
   {
     rope_and_store((const QKV*)qkv, cos, sin, slots, q_buf, (Cache*)kc, (Cache*)vc, T, H, KVH, D,
-                   page_size);
-    attention(q_buf, (const Cache*)kc, (const Cache*)vc, pages, page_off, ctx, tree_start,
-              tree_bits, (Out*)out, T, H, KVH, D, page_size, scale);
+                   page_size, sink_cos, sink_sin, q_sink);
+    attention(q_buf, (const Cache*)kc, (const Cache*)vc, pages, page_off, page_skip, ctx,
+              tree_start, tree_bits, (Out*)out, T, H, KVH, D, page_size, scale, window);
   }
 }
 
@@ -733,16 +813,23 @@ int lm_paged_attention_int8_kv() {
 // flags: bit 0 = qkv is bf16, bit 1 = caches are bf16, bit 2 = out is bf16 (else fp32), bit 4 =
 // caches are int8 (with scales; bit 1 clear).
 // tree_start and tree_bits: null when no token of the step belongs to a draft tree.
+// window 0: no sliding window (this layer attends densely); sink_cos, sink_sin: null when no
+// query scores its sinks from another position (q_sink, (T, H, D) float32 scratch, unused then).
 void lm_paged_attention(const void* qkv, const float* cos, const float* sin, const int64_t* slots,
                         float* q_buf, void* kc, void* vc, const int32_t* pages,
                         const int64_t* page_off, const int32_t* ctx, const int32_t* tree_start,
                         const uint64_t* tree_bits, void* out, int T, int H, int KVH, int D,
-                        int page_size, float scale, int flags, int threads) {
+                        int page_size, float scale, int flags, int threads,
+                        const float* sink_cos, const float* sink_sin, float* q_sink,
+                        const int32_t* page_skip, int window, int sinks) {
   omp_set_num_threads(threads);
+  if (!window || !sink_cos) q_sink = nullptr;
+  const Window w{window, window ? sinks : 0, q_sink};
 #define LM_CASE(bits, A, B, C)                                                                  \
   case bits:                                                                                    \
     run<A, B, C>(qkv, cos, sin, slots, q_buf, kc, vc, pages, page_off, ctx, tree_start,         \
-                 tree_bits, out, T, H, KVH, D, page_size, scale);                               \
+                 tree_bits, out, T, H, KVH, D, page_size, scale, w.q_sink ? sink_cos : nullptr, \
+                 sink_sin, q_sink, page_skip, w);                                               \
     break;
   switch (flags) {
     LM_CASE(0, float, float, float)
@@ -769,6 +856,8 @@ void lm_paged_attention_packed(const int64_t* a) {
                      (float*)a[4], (void*)a[5], (void*)a[6], (const int32_t*)a[7],
                      (const int64_t*)a[8], (const int32_t*)a[9], (const int32_t*)a[10],
                      (const uint64_t*)a[11], (void*)a[12], (int)a[13], (int)a[14], (int)a[15],
-                     (int)a[16], (int)a[17], word_to_f32(a[18]), (int)a[19], (int)a[20]);
+                     (int)a[16], (int)a[17], word_to_f32(a[18]), (int)a[19], (int)a[20],
+                     (const float*)a[21], (const float*)a[22], (float*)a[23], (const int32_t*)a[24],
+                     (int)a[25], (int)a[26]);
 }
 }

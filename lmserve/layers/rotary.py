@@ -31,19 +31,33 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]
 
 
 class RotaryEmbedding:
-    """A cos/sin table for every position up to ``max_positions``, looked up once per step."""
+    """A cos/sin table for every position up to ``max_positions``, looked up once per step.
+
+    Positions past the table (a sequence streaming past the context under a sliding window) are
+    computed when asked, with the angle in float64: in float32 an angle of a million radians is
+    off by a tenth, while only the difference of query and key angles should matter.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling=None, device="cpu"):
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # (P, hd/2)
+        freqs = torch.outer(t, self.inv_freq)  # (P, hd/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, hd)
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each token, shaped ``(T, hd)``."""
-        return self.cos[positions], self.sin[positions]
+        if positions.numel() == 0 or int(positions.max()) < len(self.cos):
+            return self.cos[positions], self.sin[positions]
+        freqs = torch.outer(positions.double(), self.inv_freq.double())  # (T, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        inside = positions < len(self.cos)
+        cos = torch.where(inside.unsqueeze(1), self.cos[positions.clamp(max=len(self.cos) - 1)],
+                          emb.cos().to(self.cos))
+        sin = torch.where(inside.unsqueeze(1), self.sin[positions.clamp(max=len(self.sin) - 1)],
+                          emb.sin().to(self.sin))
+        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -30,5 +30,7 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
     sliding_window: Optional[int] = None  # the model's own sliding window, if it has one
+    # The layers that have it (transformers' layer_types "sliding_attention"); None: every layer.
+    sliding_window_layers: Optional[tuple[int, ...]] = None
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)

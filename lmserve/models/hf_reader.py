@@ -44,11 +44,7 @@ def read_hf_args(model_dir: str) -> ModelArgs:
     hidden = int(config["hidden_size"])
     num_heads = int(config["num_attention_heads"])
     rope_theta, rope_scaling = _rope(config)
-    if arch == "qwen2":
-        # Qwen2 configs carry a sliding_window value even when it is switched off.
-        sliding_window = config.get("sliding_window") if config.get("use_sliding_window") else None
-    else:
-        sliding_window = config.get("sliding_window")
+    sliding_window, window_layers = _sliding_window(config, arch)
     generation = _read_json(os.path.join(model_dir, "generation_config.json")) or {}
     eos_ids: list[int] = []
     for source in (config.get("eos_token_id"), generation.get("eos_token_id")):
@@ -72,9 +68,32 @@ def read_hf_args(model_dir: str) -> ModelArgs:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
         sliding_window=int(sliding_window) if sliding_window else None,
+        sliding_window_layers=window_layers,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
     )
+
+
+def _sliding_window(config: dict[str, Any], arch: str) -> tuple[Optional[int], Optional[tuple[int, ...]]]:
+    """The model's window and the layers that have it (None: all), as transformers reads them:
+    ``layer_types`` where the config lists them, else Qwen2's layers from ``max_window_layers``
+    on (and only with ``use_sliding_window``: its configs carry a window even when it is off)."""
+    window = config.get("sliding_window")
+    if arch == "qwen2" and not config.get("use_sliding_window"):
+        window = None
+    if not window:
+        return None, None
+    layers = range(int(config["num_hidden_layers"]))
+    types = config.get("layer_types")
+    if types is not None:
+        windowed = tuple(i for i in layers if types[i] == "sliding_attention")
+    elif arch == "qwen2":
+        windowed = tuple(i for i in layers if i >= int(config.get("max_window_layers", 28)))
+    else:
+        return int(window), None
+    if not windowed:
+        return None, None
+    return int(window), None if len(windowed) == len(layers) else windowed
 
 
 def read_hf_weights(model_dir: str) -> dict[str, torch.Tensor]:

@@ -35,6 +35,7 @@ class ForwardContext:
     kv: KVCache
     layer_calls: Optional[LayerCalls] = None  # the layers as one C++ call, where they can be
     compiled: Optional[CompiledLayerOps] = None  # opt compile=1: the torch ops as compiled graphs
+    windowed: tuple[bool, ...] = ()  # per layer: it attends within the step's sliding window
 
 
 @dataclass
@@ -95,7 +96,8 @@ class LlamaLayer:
         else:
             qkv = self.qkv(ops.add_rms_norm(x, delta, self.norm1, self.eps, self.dtype))
         attn = ctx.backend.forward(
-            ctx.attn_meta, qkv, ctx.cos, ctx.sin, ctx.kv.k[layer], ctx.kv.v[layer]
+            ctx.attn_meta, qkv, ctx.cos, ctx.sin, ctx.kv.k[layer], ctx.kv.v[layer],
+            windowed=bool(ctx.windowed) and ctx.windowed[layer],
         )  # (T, H * hd)
         if compiled is not None:
             return compiled.after_attention(x, attn, self.o.weight, self.o.bias, self.norm2, self.eps,
@@ -103,26 +105,30 @@ class LlamaLayer:
         h = ops.add_rms_norm(x, self.o(attn), self.norm2, self.eps, self.mlp_dtype)
         return self.down(ops.silu_mul(self.gate_up(h)))
 
-    def buffers(self) -> dict[str, tuple[int, torch.dtype]]:
-        """The step buffers between the calls of ``packed_calls``: name -> (width, dtype)."""
+    def buffers(self, sinks: bool = False) -> dict[str, tuple[int, torch.dtype]]:
+        """The step buffers between the calls of ``packed_calls``: name -> (width, dtype)
+        (``sinks``: with the queries of windowed layers against their attention sinks)."""
         d, f, heads = self.o.n, self.gate_up.n // 2, self.o.k  # o maps heads * hd -> hidden
         return {"norm1": (d, self.dtype), "qkv": (self.qkv.n, self.dtype),
                 "q_rotated": (heads, torch.float32), "attn": (heads, self.dtype), "o": (d, self.dtype),
                 "norm2": (d, self.mlp_dtype), "gate_up": (2 * f, self.mlp_dtype),
-                "act": (f, self.mlp_dtype), "down": (d, self.mlp_dtype)}
+                "act": (f, self.mlp_dtype), "down": (d, self.mlp_dtype)} | (
+                    {"q_sink": (heads, torch.float32)} if sinks else {})
 
     def packed_calls(self, backend, ops: FusedOps, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     first: bool) -> list[list[Arg]]:
+                     first: bool, windowed: bool = False, sinks: bool = False) -> list[list[Arg]]:
         """``__call__`` as kernel calls for a ``CallList``: the same kernels on the same inputs in
         the same order, on the step buffers of ``buffers`` and the residual ``x``, in place; the
         MLP output is left in ``down``, which the next layer adds (none when ``first``)."""
         x, t, dt, mdt = Slot("x"), Slot("tokens"), self.dtype, self.mlp_dtype
-        buf = {name: Slot(name) for name in self.buffers()}
+        buf = {name: Slot(name) for name in self.buffers(sinks)}
+        q_sink = buf["q_sink"] if windowed and sinks else 0
         return [
             ops.packed_add_rms_norm(x, 0 if first else buf["down"], mdt, self.norm1, self.eps,
                                     buf["norm1"], dt, t),
             self.qkv.packed_call(buf["norm1"], dt, buf["qkv"], t),
-            backend.packed_call(buf["qkv"], dt, buf["q_rotated"], k_cache, v_cache, buf["attn"], t),
+            backend.packed_call(buf["qkv"], dt, buf["q_rotated"], k_cache, v_cache, buf["attn"], t,
+                                windowed, q_sink),
             self.o.packed_call(buf["attn"], dt, buf["o"], t),
             ops.packed_add_rms_norm(x, buf["o"], dt, self.norm2, self.eps, buf["norm2"], mdt, t),
             self.gate_up.packed_call(buf["norm2"], mdt, buf["gate_up"], t),
@@ -159,16 +165,20 @@ class LlamaModel:
             self.embed = self.lm_head.weight  # tied and dense in the same dtype: one copy
 
     def layer_calls(self, backend: AttentionBackend, ops: Union[TorchOps, FusedOps],
-                    kv: KVCache) -> Optional[LayerCalls]:
+                    kv: KVCache, windowed: tuple[bool, ...] = (),
+                    sinks: bool = False) -> Optional[LayerCalls]:
         """The layers as one C++ call a step, or None where a part of a layer is not a C++ kernel
-        (the torch paths, dense weights, biases) or the call-list runner did not build."""
+        (the torch paths, dense weights, biases) or the call-list runner did not build.
+        ``windowed``: per layer, it attends within the step's sliding window (which has
+        ``sinks``)."""
         linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if not (isinstance(ops, FusedOps) and isinstance(backend, CpuPagedBackend) and call_lists_available()
                 and all(isinstance(m, BlockLinear) and m.bias is None for m in linears)):
             return None
         calls = [call for i, layer in enumerate(self.layers)
-                 for call in layer.packed_calls(backend, ops, kv.k[i], kv.v[i], first=i == 0)]
-        return LayerCalls(CallList(calls), self.layers[0].buffers())
+                 for call in layer.packed_calls(backend, ops, kv.k[i], kv.v[i], first=i == 0,
+                                                windowed=bool(windowed) and windowed[i], sinks=sinks)]
+        return LayerCalls(CallList(calls), self.layers[0].buffers(sinks))
 
     def rotary(self, max_positions: int, device: torch.device) -> RotaryEmbedding:
         a = self.args
