@@ -143,6 +143,9 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     window, window_layers = resolve_window(config.sliding_window_size, config.attention_sink_size, args)
     bounded = window is not None and window_layers is None
     longest = context
+    # A draft model's KV may trail a sequence's by its newest token and accepted drafts: the
+    # window's pages are kept for it too.
+    lag = (config.spec_draft_length or MAX_ADAPTIVE_K) + 1 if draft_args is not None else 0
 
     def step_workspace(batch: int, chunk: int, single: int) -> int:
         # Verifying drafts wants a logit row per draft too, within the step's tokens.
@@ -150,21 +153,25 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         max_drafts = ((config.spec_draft_length or MAX_ADAPTIVE_K) * config.spec_tree_width
                       if speculating else 0)
         rows = min(max(chunk, batch), batch * (1 + max_drafts))
+        # A windowed layer's query sees at most its sinks, window and chunk: every query's,
+        # when every layer is windowed, else a dense layer's sees its whole sequence.
+        seen = 0 if window is None else min(single, window.sinks + window.size - 1 + chunk)
         # The draft's passes and the target's run one after the other.
-        return max(workspace_bytes(a, batch, chunk, single, _kv_per_token(a, d),
-                                   o.attention == "torch_native", rows)
+        return max(workspace_bytes(a, batch, chunk, seen if bounded else single,
+                                   _kv_per_token(a, d), o.attention == "torch_native", rows, seen)
                    for (a, o), d in zip(models, kv_dtypes))
 
     if mode == "server":
         batch = _given_or(config.max_num_sequence, SERVER_BATCH)
         chunk = _given_or(config.prefill_chunk_size, min(context, SERVER_CHUNK))
         single = _given_or(config.max_single_sequence_length, longest)
-        workspace = step_workspace(batch, chunk, _attended(single, window, chunk))
+        workspace = step_workspace(batch, chunk, single)
         room = budget - weights - workspace - margin
         # Whole pages only; more KV than every sequence at full length could never be used.
         page_bytes = config.kv_cache_page_size * kv_per_token
         fits = max(0, room // page_bytes) * config.kv_cache_page_size
-        held = _pages_per_sequence(single, chunk, config.kv_cache_page_size, window if bounded else None)
+        held = _pages_per_sequence(single, chunk + lag, config.kv_cache_page_size,
+                                   window if bounded else None)
         total = _given_or(config.max_total_sequence_length,
                           min(fits, batch * held * config.kv_cache_page_size))
     else:
@@ -173,9 +180,9 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         single = _given_or(config.max_single_sequence_length, min(longest, total))
         chunk = _given_or(config.prefill_chunk_size, min(context, total))
         if bounded and config.max_total_sequence_length is None:  # a stream's window and chunk
-            total = max(total, _pages_per_sequence(single, chunk, config.kv_cache_page_size, window)
-                        * config.kv_cache_page_size)
-        workspace = step_workspace(batch, chunk, _attended(single, window, chunk))
+            total = max(total, _pages_per_sequence(single, chunk + lag, config.kv_cache_page_size,
+                                                   window) * config.kv_cache_page_size)
+        workspace = step_workspace(batch, chunk, single)
 
     page = config.kv_cache_page_size
     num_pages = -(-total // page)  # ceil: the last page may be partly used
@@ -190,7 +197,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         if window.size <= deepest:
             raise ValueError(f"a sliding window of {window.size} tokens must exceed the deepest "
                              f"draft ({deepest} tokens): a draft sees its whole path")
-    held = _pages_per_sequence(single, chunk, page, window if bounded else None)
+    held = _pages_per_sequence(single, chunk + lag, page, window if bounded else None)
     _check(context, memory, total, single, chunk, util, draft_args is not None,
            window if bounded else None, held * page)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
@@ -223,17 +230,13 @@ def _pages_per_sequence(single: int, chunk: int, page: int, window: Optional[Att
     return dense if window is None else min(dense, window.max_pages(page, chunk))
 
 
-def _attended(single: int, window: Optional[AttentionWindow], chunk: int) -> int:
-    """The most keys one query's attention gathers."""
-    return single if window is None else min(single, window.sinks + window.size - 1 + chunk)
-
-
 def _describe_window(plan: EnginePlan) -> str:
     if plan.window is None:
         return "off"
     layers = "every layer" if plan.window_layers is None else \
         f"layers {', '.join(map(str, plan.window_layers)) or 'none'}"
-    return f"{plan.window.describe()} on {layers}" + ("" if plan.bounded else " (KV not bounded: dense layers)")
+    unbounded = "" if plan.bounded else " (KV not bounded: dense layers)"
+    return f"{plan.window.describe()} on {layers}{unbounded}"
 
 
 def _kv_dtype(args: ModelArgs, opt: OptFlags, page_size: int) -> str:
@@ -278,7 +281,8 @@ def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16
 
 
 def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per_token: int,
-                    gathers_kv: bool = True, logit_rows: Optional[int] = None) -> int:
+                    gathers_kv: bool = True, logit_rows: Optional[int] = None,
+                    window_keys: int = 0) -> int:
     """Peak bytes of one step's temporaries beyond the weights and the KV pool.
 
     A step holds at most ``max(chunk, batch)`` tokens: their float32 activations (residual,
@@ -286,7 +290,9 @@ def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per
     rows (``batch``; more when drafts are verified) with the sampler's copies, and, when
     attention ``gathers_kv`` (the torch path), the float32 KV that decode attention gathers for
     one layer at a time (at worst ``batch`` sequences padded to
-    ``single`` tokens). The C++ paged kernel reads the pages in place.
+    ``single`` tokens; under a sliding window the keys one query sees). The C++ paged kernel
+    reads the pages in place. The torch path's windowed layers hold a chunk's float32 scores,
+    sink scores and weights against the ``window_keys`` one of its queries may see.
     """
     tokens = max(chunk, batch)
     qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
@@ -294,7 +300,8 @@ def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per
     logits = 4 * (logit_rows or batch) * args.vocab_size * 4
     per_layer_kv = kv_per_token // args.num_layers  # keys and values of one token, one layer
     gather = 3 * batch * single * per_layer_kv if gathers_kv else 0  # pages + float32 copy
-    return activations + logits + gather
+    scores = 3 * args.num_heads * tokens * window_keys * 4 if gathers_kv else 0
+    return activations + logits + gather + scores
 
 
 def system_memory_bytes() -> int:
@@ -310,7 +317,8 @@ def _check(context: int, m: MemoryPlan, total: int, single: int, chunk: int, uti
         models = "the context window of the model or its draft model" if with_draft else \
             "the model's context window"
         raise ValueError(f"max_single_sequence_length={single} exceeds {models} "
-                         f"of {context} tokens (a sliding window on every layer lifts this)")
+                         f"of {context} tokens (only a model with a sliding window on every "
+                         f"layer may run past it)")
     if single > context and window.size + window.sinks > context:
         raise ValueError(f"max_single_sequence_length={single} runs past the context window of "
                          f"{context} tokens, which needs sliding_window_size + attention_sink_size "

@@ -293,6 +293,9 @@ def test_streaming_past_the_context_needs_a_window_within_it():
     # Local mode keeps KV for one stream: its sinks, window and a prefill chunk.
     assert plan.max_single_sequence_length == 10**6
     assert plan.max_total_sequence_length == (1 + -(-(999 + 2048) // 16) + 1) * 16
+    # A KV capacity of its own choosing, far below the stream's length, is enough for its window.
+    capped = make_plan(EngineConfig(**config, max_total_sequence_length=4096), _args(2048))
+    assert capped.max_total_sequence_length == 4096 and capped.max_pages_per_sequence == 193
     with pytest.raises(ValueError, match=r"past the context window of 2048 tokens, which needs "
                                          r"sliding_window_size \+ attention_sink_size \(2046 \+ 4\)"):
         make_plan(EngineConfig(**config | dict(sliding_window_size=2046)), _args(2048))
@@ -300,7 +303,8 @@ def test_streaming_past_the_context_needs_a_window_within_it():
     mixed = dataclasses.replace(_args(2048), sliding_window=64, sliding_window_layers=(1,))
     assert not make_plan(EngineConfig(), mixed).bounded
     assert "64 tokens on layers 1 (KV not bounded: dense layers)" in make_plan(EngineConfig(), mixed).describe()
-    with pytest.raises(ValueError, match="exceeds the model's context window of 2048 tokens"):
+    with pytest.raises(ValueError, match="exceeds the model's context window of 2048 tokens .only a "
+                                         "model with a sliding window on every layer"):
         make_plan(EngineConfig(max_single_sequence_length=4096), mixed)
 
 

@@ -70,9 +70,11 @@ def run_window_steps(backend, window, chunks, qkv, page, rotary, hd, release=Tru
 
 
 def poison_page(kv: KVCache, page_id: int, keys_transposed: bool) -> None:
+    """NaN in every key and value of a page (an int8 cache's bytes all 0xff: its scales NaN)."""
     slots = slice(page_id * kv.page_size, (page_id + 1) * kv.page_size)
-    (kv.k[0][page_id] if keys_transposed else kv.k[0][slots]).fill_(float("nan"))
-    kv.v[0][slots].fill_(float("nan"))
+    bad = -1 if kv.dtype == torch.int8 else float("nan")
+    (kv.k[0][page_id] if keys_transposed else kv.k[0][slots]).fill_(bad)
+    (kv.v[0][page_id] if kv.dtype == torch.int8 else kv.v[0][slots]).fill_(bad)
 
 
 @pytest.mark.parametrize("name", ["torch_native", kernel(AttentionShape(H, KVH, 16))])
@@ -88,8 +90,75 @@ def test_window_and_sinks_match_the_streaming_reference(name, page, size, sinks)
     expected = streaming_reference(qkv, window, rotary, hd)
     backend = create_backend(name, AttentionShape(H, KVH, hd))
     # Prefill chunks shorter and longer than the window, then decodes.
-    got = run_window_steps(backend, window, [5, 23, 1, 17, 1, 1, 3] + [1] * 19, qkv, page, rotary, hd)
+    got = run_window_steps(backend, window, CHUNKS, qkv, page, rotary, hd)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+# Prefill chunks shorter and longer than the window, then decodes: 70 tokens.
+CHUNKS = [5, 23, 1, 17, 1, 1, 3] + [1] * 19
+
+
+@pytest.mark.parametrize("cache,tol", [(torch.bfloat16, 2e-2), (torch.int8, 5e-2)])
+@pytest.mark.parametrize("page", [4, 16])
+@pytest.mark.parametrize("hd", [16, 64])
+def test_kernel_rows_under_a_window_do_not_depend_on_chunking(cache, tol, page, hd):
+    """The C++ kernel's rows are bit-identical whether a token is decoded or computed inside a
+    prefill chunk, on bf16 and int8 caches, and stay near the float32 reference."""
+    shape = AttentionShape(H, KVH, hd)
+    if cpu_paged.why_unsupported(shape, cache) is not None:
+        pytest.skip(cpu_paged.why_unsupported(shape, cache))
+    torch.manual_seed(hd + page)
+    window = AttentionWindow(13, 3)
+    rotary = RotaryEmbedding(hd, 4096, 10000.0)
+    qkv = torch.randn(70, (H + 2 * KVH) * hd)
+    backend = create_backend("cpu_paged", shape)
+    whole = run_window_steps(backend, window, [70], qkv, page, rotary, hd, dtype=cache)
+    stepped = run_window_steps(backend, window, CHUNKS, qkv, page, rotary, hd, dtype=cache)
+    assert torch.equal(whole, stepped)
+    torch.testing.assert_close(stepped, streaming_reference(qkv, window, rotary, hd), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["torch_native", kernel(AttentionShape(H, KVH, 16))])
+@pytest.mark.parametrize("page", [4, 8])
+def test_a_draft_tree_under_a_window_attends_as_its_chains_would(name, page):
+    """Each node of a draft tree after a windowed prefix (sinks moved) gets the attention of its
+    chain (the prefix, then its ancestors and itself), with stale KV left in the slots past the
+    step's tokens."""
+    hd, window = 16, AttentionWindow(11, 2)
+    torch.manual_seed(page)
+    rotary = RotaryEmbedding(hd, 256, 10000.0)
+    backend = create_backend(name, AttentionShape(H, KVH, hd))
+    prefix = torch.randn(30, (H + 2 * KVH) * hd)
+    nodes = torch.randn(6, (H + 2 * KVH) * hd)
+    parents = [-1, 0, 1, 0, 3, 1]  # the root (newest token), then drafts at depths 1-3
+    masks = []
+    for i, p in enumerate(parents):
+        masks.append((masks[p] if p >= 0 else 0) | 1 << i)
+    kv = KVCache(1, 16, page, KVH, hd, keys_transposed=backend.keys_transposed)
+    kv.v[0].fill_(100.0)  # stale values everywhere not written
+    table = list(range(15, -1, -1))
+    run_window_steps_on(backend, window, prefix, table, kv, rotary, page)
+    positions = torch.tensor([30 + m.bit_count() - 1 for m in masks])
+    cos, sin = rotary.lookup(positions)
+    inp = AttentionInput([6], [36], [table], tree_masks=[masks], window=window, dense_layers=False)
+    inp.sink_cos, inp.sink_sin = rotary.lookup(positions.clamp(max=window.sinks + window.size - 1))
+    got = backend.forward(backend.prepare(inp, page, torch.device("cpu")), nodes, cos, sin,
+                          kv.k[0], kv.v[0], windowed=True).view(6, H, hd)
+    for i, m in enumerate(masks):
+        chain = torch.cat([prefix, nodes[[j for j in range(6) if m >> j & 1]]])
+        expected = streaming_reference(chain, window, rotary, hd)[-1]
+        torch.testing.assert_close(got[i], expected, atol=2e-5, rtol=1e-4)
+
+
+def run_window_steps_on(backend, window, qkv, table, kv, rotary, page) -> None:
+    """Prefill ``qkv`` into ``kv`` in one windowed step (pages from ``table``)."""
+    n = qkv.shape[0]
+    positions = torch.arange(n)
+    cos, sin = rotary.lookup(positions)
+    inp = AttentionInput([n], [n], [table], window=window, dense_layers=False)
+    inp.sink_cos, inp.sink_sin = rotary.lookup(positions.clamp(max=window.sinks + window.size - 1))
+    backend.forward(backend.prepare(inp, page, torch.device("cpu")), qkv, cos, sin, kv.k[0], kv.v[0],
+                    windowed=True)
 
 
 def test_rotary_angles_past_the_table_are_computed_in_float64():
@@ -119,6 +188,10 @@ def hf_mistral(hf_builtin):
     (transformers 5.x: a query sees keys ``kv_idx > q_idx - 64``, as AttentionWindow)."""
     from transformers import MistralConfig, MistralForCausalLM
 
+    from transformers.masking_utils import sliding_window_overlay
+
+    # The semantics matched (transformers 5.x; the suite runs 5.24): the last 64 keys, itself included.
+    assert sliding_window_overlay(64)(0, 0, 100, 37) and not sliding_window_overlay(64)(0, 0, 100, 36)
     config = MistralConfig.from_dict(hf_builtin.config.to_dict() | {"sliding_window": 64})
     model = MistralForCausalLM(config)
     model.load_state_dict(hf_builtin.state_dict())
@@ -172,18 +245,16 @@ def test_sinks_keep_greedy_output_independent_of_batching_chunking_and_prefix_re
     assert core.scheduler.prefix_hit_tokens > hits  # the first chunk's pages were cached whole
     wait_idle(sink_engine)
     assert sink_engine.kv_pages_in_use() == 0
-    # Chunks of 16 (shorter than the window) and preemption: 16 pages for four sequences whose
-    # windows and chunks need 7 each.
-    small = Engine(sliding_window_size=64, attention_sink_size=4, max_num_sequence=4,
-                   prefill_chunk_size=16, max_total_sequence_length=256, verbose=False)
-    try:
+    # Chunked prefill, chunks of 16 (shorter than the window), and preemption: 16 pages for four
+    # sequences whose windows and chunks need 7 each.
+    with Engine(sliding_window_size=64, attention_sink_size=4, max_num_sequence=4,
+                prefill_chunk_size=16, max_total_sequence_length=256, prefill_mode="chunked",
+                verbose=False) as small:
         assert small.plan.max_pages_per_sequence == 1 + 5 + 1
         assert run_concurrently(small, long_chats, GREEDY) == alone
         assert small._core.scheduler.num_preemptions > 0
         wait_idle(small)
         assert small.kv_pages_in_use() == 0
-    finally:
-        small.shutdown()
 
 
 def test_a_stream_past_the_context_holds_at_most_its_page_cap(tmp_path):
@@ -250,13 +321,48 @@ def test_speculation_under_a_window_keeps_greedy_output(sink_engine, long_chats,
     """n-gram drafts (chains, and trees) verified under a window with sinks: rejected drafts roll
     back into pages the window kept, and the output is the one without speculation."""
     alone = [generate_tokens(sink_engine, p, GREEDY) for p in long_chats[:2]]
-    spec = Engine(sliding_window_size=64, attention_sink_size=4, max_num_sequence=4,
-                  prefill_chunk_size=256, speculative_mode="ngram", spec_draft_length=4,
-                  spec_tree_width=tree_width, verbose=False)
-    try:
+    with Engine(sliding_window_size=64, attention_sink_size=4, max_num_sequence=4,
+                prefill_chunk_size=256, speculative_mode="ngram", spec_draft_length=4,
+                spec_tree_width=tree_width, verbose=False) as spec:
         assert run_concurrently(spec, long_chats[:2], GREEDY) == alone
         assert spec.stats().spec_num_accepted_tokens > 0
         wait_idle(spec)
         assert spec.kv_pages_in_use() == 0
-    finally:
-        spec.shutdown()
+
+
+def _stream_beside_a_long_prompt(target: str, **spec) -> tuple[list[int], int, int]:
+    """A stream decoding while a 3,900-token prompt is prefilled beside it, window 64 + 4 sinks:
+    the stream's tokens, the most pages it held after a step, and the plan's cap."""
+    core = EngineCore(EngineConfig(model=target, sliding_window_size=64, attention_sink_size=4,
+                                   max_num_sequence=4, prefill_chunk_size=32, verbose=False,
+                                   prefix_cache_mode="disable", max_single_sequence_length=4000, **spec))
+    core.add_request("stream", list(range(100, 130)),
+                     SamplingParams(temperature=0, max_tokens=600, ignore_eos=True))
+    seq, tokens, most = core.requests["stream"].seqs[0], [], 0
+    for step in range(10_000):
+        if step == 5:
+            core.add_request("long", list(range(300, 4200)),
+                             SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        for out in core.step():
+            if out.request_id == "stream":
+                tokens += [t for d in out.deltas for t in d.token_ids]
+        if seq.pages:
+            most = max(most, core.kv_manager.pages_held(seq))
+        if not core.has_work():
+            break
+    assert core.pool.num_used == 0
+    return tokens, most, core.plan.max_pages_per_sequence
+
+
+@pytest.mark.parametrize("k", [0, 3])  # adaptive (often drafts nothing), fixed
+def test_a_draft_model_under_a_window_keeps_up_and_the_page_cap(tmp_path, k):
+    """small_draft under a window: the draft's KV keeps up with every decoding sequence (drafted
+    or not), so the stream stays within its page cap; the output is the one without it."""
+    target = make_hf_llama(str(tmp_path / "target"), num_layers=2, seed=1)
+    draft = make_hf_llama(str(tmp_path / "draft"), num_layers=1, seed=2)
+    plain, most, cap = _stream_beside_a_long_prompt(target)
+    assert most <= cap
+    spec, most, cap = _stream_beside_a_long_prompt(target, speculative_mode="small_draft",
+                                                   additional_models=[draft], spec_draft_length=k)
+    assert spec == plain and len(plain) == 600
+    assert most <= cap

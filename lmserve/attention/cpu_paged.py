@@ -24,7 +24,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 
 def _library() -> Optional[ctypes.CDLL]:
     lib = load_kernel_library(
-        "paged_attention", {"lm_paged_attention": [_P] * 13 + [_I] * 5 + [ctypes.c_float, _I, _I] + [_P] * 4 + [_I, _I],
+        "paged_attention", {"lm_paged_attention": [_P] * 13 + [_I] * 5 + [ctypes.c_float, _I, _I]
+                                                   + [_P] * 4 + [_I, _I],
                             "lm_paged_attention_int8_kv": []})
     if lib is not None:  # (load_kernel_library's functions return nothing; this one answers)
         lib.lm_paged_attention_int8_kv.restype = ctypes.c_int

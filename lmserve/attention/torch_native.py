@@ -196,7 +196,7 @@ def _window_parts(inp: AttentionInput, trees: list, page_size: int,
             positions = torch.tensor([step_start + m.bit_count() - 1 for m in tree]).unsqueeze(1)
             in_step = keys >= step_start
             bits = _tree_mask(tree, 0, len(tree))[:, (keys - step_start).clamp(0, len(tree) - 1)]
-            causal = ~in_step | (bits & in_step)
+            causal = ~in_step | (bits & in_step & (keys < ctx))
         sees = (keys < window.sinks) | (keys > positions - window.size)
         parts.append(WindowPart(start, qlen, torch.tensor([table[j] for j in index], device=device),
                                 (causal & sees).to(device), (keys < window.sinks).to(device)))

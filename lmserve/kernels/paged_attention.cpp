@@ -448,7 +448,10 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, PageTable pa
   // Blocks are aligned to absolute key positions, so the order of every floating-point
   // operation of a row depends only on that row's context length (and window).
   for (int start = 0; start < n_keys; start += 16) {
-    if (start >= gap_lo && start + 16 <= gap_hi) continue;
+    if (start >= gap_lo && start + 16 <= gap_hi) {  // on to the block holding gap_hi
+      start = gap_hi / 16 * 16 - 16;
+      continue;
+    }
     const int n = std::min(16, n_keys - start);
     // Copy the keys [start, start + n) run by run (a run lies in one page) and widen them; a
     // tree token's keys from its tree's start on are single runs from its ancestors' positions.

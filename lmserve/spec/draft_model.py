@@ -5,7 +5,9 @@ page ids as the target's: one page pool, so the prefix cache, preemption and rol
 caches at once. ``Sequence.num_draft_computed`` counts the tokens with draft KV. The draft keeps
 step with prefill chunks (it runs them in the same step as the target), catches up on tokens it
 skipped (steps where nothing was drafted), then drafts greedily, one pass per draft position for
-all drafting sequences together. With a tree width ``w`` > 1 the ``w - 1`` next best tokens at
+all drafting sequences together. Under a sliding window on every layer (``keep_up``) every
+decoding sequence's draft KV catches up in every step, drafted or not: pages are kept for the
+oldest key either model still needs, so a lagging draft would hold ever more. With a tree width ``w`` > 1 the ``w - 1`` next best tokens at
 each depth are drafted too, as leaves beside the chain: free for the draft, and the target
 verifies them in the same pass. Its drafts are deterministic (the draft's best tokens), so the
 target's verification needs no draft probabilities (see ``speculator``); after verification the
@@ -30,10 +32,12 @@ class DraftModelDrafter:
     """Greedy drafts from a draft model's runner, with the ``width`` best tokens at each depth
     (the best continue the chain); at most ``max_pass_tokens`` tokens a pass."""
 
-    def __init__(self, runner: ModelRunner, max_pass_tokens: int, width: int = 1) -> None:
+    def __init__(self, runner: ModelRunner, max_pass_tokens: int, width: int = 1,
+                 keep_up: bool = False) -> None:
         self.runner = runner
         self.max_pass_tokens = max_pass_tokens
         self.width = width
+        self.keep_up = keep_up
 
     def offer(self, seq: Sequence, cap: int) -> int:
         return cap
@@ -48,9 +52,9 @@ class DraftModelDrafter:
         for c in batch.chunks:
             if not c.decode:
                 ends[c] = c.seq.num_computed + c.num_tokens
-            elif depths.get(c):
+            elif depths.get(c) or self.keep_up:
                 ends[c] = len(c.seq.token_ids)
-        first = self._catch_up(ends)
+        first = self._catch_up(ends, {c for c, depth in depths.items() if depth})
         levels = {c: [first[c]] for c, depth in depths.items() if depth}  # candidates by depth
         for depth in range(1, max(depths.values(), default=0)):
             deeper = [c for c in levels if depths[c] > depth]
@@ -62,9 +66,10 @@ class DraftModelDrafter:
         for c, candidates in levels.items():
             c.draft = DraftTree.from_candidates(candidates, c.num_lookahead)
 
-    def _catch_up(self, ends: dict[ScheduledChunk, int]) -> dict[ScheduledChunk, list[int]]:
+    def _catch_up(self, ends: dict[ScheduledChunk, int],
+                  drafting: set[ScheduledChunk]) -> dict[ScheduledChunk, list[int]]:
         """Run each chunk's tokens from its draft count to its end, in passes of at most
-        ``max_pass_tokens``; returns the draft's best next tokens of each decoding chunk."""
+        ``max_pass_tokens``; returns the draft's best next tokens of each ``drafting`` chunk."""
         first: dict[ScheduledChunk, list[int]] = {}
         while pending := [c for c, end in ends.items() if c.seq.num_draft_computed < end]:
             steps, chunks, budget = [], [], self.max_pass_tokens
@@ -73,7 +78,7 @@ class DraftModelDrafter:
                 if n <= 0:
                     break
                 start = seq.num_draft_computed
-                wants = c.decode and start + n == ends[c]
+                wants = c in drafting and start + n == ends[c]
                 steps.append(SeqStep(start=start, token_ids=seq.token_ids[start : start + n],
                                      page_table=list(seq.pages), num_logits=1 if wants else 0))
                 chunks.append(c)

@@ -143,5 +143,5 @@ def make_speculator(config: EngineConfig, plan: EnginePlan,
     if config.speculative_mode == "ngram":
         drafter: Drafter = NgramDrafter(width)
     else:
-        drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size, width)
+        drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size, width, plan.bounded)
     return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length)
