@@ -169,6 +169,8 @@ def test_rotary_angles_past_the_table_are_computed_in_float64():
     angles = torch.outer(positions[2:].double(), rotary.inv_freq.double())
     torch.testing.assert_close(cos[2:, :8], angles.cos().float(), atol=1e-6, rtol=0)
     torch.testing.assert_close(sin[2:, 8:], angles.sin().float(), atol=1e-6, rtol=0)
+    beyond_cos, beyond_sin = rotary.lookup(positions[2:])  # a step wholly past the table
+    assert torch.equal(beyond_cos, cos[2:]) and torch.equal(beyond_sin, sin[2:])
 
 
 # -- the engine ---------------------------------------------------------------------------------

@@ -598,23 +598,28 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, PageTable pa
 // kChunk blocks: every block's scores first (independent of each other, so several pages' loads
 // are in flight at once), then each row's softmax updates block after block, then the weighted
 // values with keys outer and rows inner, so a value vector is loaded (and widened) once for all
-// rows. 10-20% faster than attend_group on decode over 16 streams (alternating runs).
+// rows. 10-20% faster than attend_group on decode over 16 streams (alternating runs). Under a
+// window it visits the sink blocks and the window's; a block is a whole page's run, so the keys
+// of one that a row does not see are in a page the sequence holds, and are masked.
 template <int kDV, typename Cache, typename Out>
 void attend_direct(const float* q, const Cache* kc, const Cache* vc, PageTable pages,
                    const int32_t* ctx, int tokens, int kvh, int G, int H, int KVH, int D,
-                   int page_size, float scale, Out* out) {
+                   int page_size, float scale, Out* out, Window window) {
   constexpr int kChunk = 4;
   const int R = tokens * G;
   const int DV = kDV ? kDV : D / 16;
   constexpr bool kInt8 = kKeyExtra<Cache> > 0;
   const float* qr[4];
-  alignas(64) uint32_t qw[kInt8 ? 4 : 1][kMaxD / 4];  // an int8 cache's quantized queries
-  const uint32_t* qwr[4] = {};
-  float q_scales[4] = {};
+  alignas(64) uint32_t qw[kInt8 ? 8 : 1][kMaxD / 4];  // an int8 cache's quantized queries
+  const uint32_t* qwr[2][4] = {};  // and then its sink queries
+  float q_scales[2][4] = {};
+  const float* qsr[4];  // the rows' sink queries (attend_group's second pass)
+  const bool sink_rows = window.q_sink != nullptr;
   int row_ctx[4];
   for (int i = 0; i < 4; ++i) {
     const int r = std::min(i, R - 1);
     qr[i] = q + row_at(r, G, H, D);
+    qsr[i] = sink_rows ? window.q_sink + row_at(r, G, H, D) : qr[i];
     row_ctx[i] = ctx[r / G];
   }
   float m[4], l[4];
@@ -623,31 +628,53 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, PageTable p
     m[r] = -INFINITY;
     l[r] = 0.f;
     memset(acc[r], 0, sizeof(float) * D);
-    if constexpr (kInt8) q_scales[r] = query_words(qr[r], qw[r], D), qwr[r] = qw[r];
+    if constexpr (kInt8) {
+      q_scales[0][r] = query_words(qr[r], qw[r], D), qwr[0][r] = qw[r];
+      if (sink_rows) q_scales[1][r] = query_words(qsr[r], qw[4 + r], D), qwr[1][r] = qw[4 + r];
+    }
   }
   const int n_keys = ctx[tokens - 1];
+  // The blocks read: under a window the sink blocks, then those from the one holding the first
+  // token's oldest key (a block lies in one page: pages hold a multiple of 16 keys), as block
+  // indices 0 .. n_blocks.
+  const int sink_max = window.sink_end(n_keys);
+  int sink_blocks = (sink_max + 15) / 16, first = window.lowest(ctx[0]) / 16;
+  if (sink_blocks >= first) sink_blocks = first = 0;  // no gap between them
+  const int n_blocks = sink_blocks + (n_keys + 15) / 16 - first;
+  auto block_start = [&](int i) { return 16 * (i < sink_blocks ? i : i - sink_blocks + first); };
+  auto prefetch = [&](int i, bool keys) {
+    if (i >= n_blocks) return;
+    if (keys) prefetch_keys(kc, pages, block_start(i), n_keys, kvh, KVH, D, page_size);
+    else prefetch_values(vc, pages, block_start(i), n_keys, kvh, KVH, D, page_size);
+  };
   const int64_t k_head = (int64_t)(D + kKeyExtra<Cache>) * page_size;
   const int64_t v_head = (int64_t)(D + kValueExtra<Cache>) * page_size;  // an int8 cache's
   const int64_t v_stride = (int64_t)KVH * D;  // between slots' values in a float cache
-  for (int b = 0; b < kChunk; ++b) {  // the first chunk; each block asks for its next chunk's
-    prefetch_keys(kc, pages, 16 * b, n_keys, kvh, KVH, D, page_size);
-    prefetch_values(vc, pages, 16 * b, n_keys, kvh, KVH, D, page_size);
-  }
-  for (int c0 = 0; c0 < n_keys; c0 += 16 * kChunk) {
-    const int nb = std::min(kChunk, (n_keys - c0 + 15) / 16);
+  for (int b = 0; b < kChunk; ++b) prefetch(b, true), prefetch(b, false);  // the first chunk;
+  // each block asks for its next chunk's.
+  for (int c0 = 0; c0 < n_blocks; c0 += kChunk) {
+    const int nb = std::min(kChunk, n_blocks - c0);
     alignas(64) float pj[kChunk][4][16];
     float alpha[kChunk][4];
     int n_row[kChunk][4];
+    __mmask16 live[kChunk][4];
     const Cache* vb[kChunk];
     alignas(64) float v_scales[kChunk][16];
     for (int b = 0; b < nb; ++b) {
-      const int start = c0 + 16 * b;
-      prefetch_keys(kc, pages, start + 16 * kChunk, n_keys, kvh, KVH, D, page_size);
+      const int start = block_start(c0 + b);
+      prefetch(c0 + b + kChunk, true);
       const int64_t page_id = pages[start / page_size];
       const int offset = start % page_size;
       const Cache* kh = kc + (page_id * KVH + kvh) * k_head;
-      for (int r = 0; r < R; ++r) n_row[b][r] = std::min(16, row_ctx[r] - start);
-      // The last block's keys past the end (stale or zero) are masked out of the softmax.
+      for (int r = 0; r < R; ++r) {
+        live[b][r] = window.visible(start, row_ctx[r]);
+        n_row[b][r] = live[b][r] ? 32 - __builtin_clz((uint32_t)live[b][r]) : 0;
+      }
+      // The rows' scores, then (a block of sinks scored from a moved position) their sink
+      // queries' for the sink lanes, as attend_group. Keys a row does not see (past the end,
+      // before its window) are masked out of the softmax.
+      const bool sink_pass = sink_rows && start < sink_max;
+      alignas(64) float ps[4][16];
       if constexpr (kInt8) {
         const Cache* vh = vc + (page_id * KVH + kvh) * v_head;
         vb[b] = vh + (int64_t)offset * D;  // 4 rows of D words
@@ -658,20 +685,26 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, PageTable p
         const int32_t* sums = (const int32_t*)(rows + (int64_t)(D / 4 + 1) * page_size);
         auto key_quad = [&](int e) { return _mm512_loadu_si512(rows + (int64_t)e * page_size); };
         with_rows(R, [&](auto rows) {
-          block_scores_q8<rows>(qwr, q_scales, D, scale, ks, sums, key_quad, pj[b], R);
+          block_scores_q8<rows>(qwr[0], q_scales[0], D, scale, ks, sums, key_quad, pj[b], R);
+          if (sink_pass) block_scores_q8<rows>(qwr[1], q_scales[1], D, scale, ks, sums, key_quad, ps, R);
         });
       } else {
         vb[b] = vc + ((page_id * page_size + offset) * KVH + kvh) * D;
         auto key_dim = [&](int d) { return load16(kh + (int64_t)d * page_size + offset); };
-        with_rows(R, [&](auto rows) { block_scores<rows>(qr, DV, scale, key_dim, pj[b], R); });
+        with_rows(R, [&](auto rows) {
+          block_scores<rows>(qr, DV, scale, key_dim, pj[b], R);
+          if (sink_pass) block_scores<rows>(qsr, DV, scale, key_dim, ps, R);
+        });
       }
+      if (sink_pass)
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < std::min(16, window.sink_end(row_ctx[r]) - start); ++j) pj[b][r][j] = ps[r][j];
     }
     for (int b = 0; b < nb; ++b)
       for (int r = 0; r < R; ++r)
         if (n_row[b][r] > 0) {
-          const __mmask16 live = (__mmask16)((1u << n_row[b][r]) - 1);
-          alpha[b][r] = softmax_update(pj[b][r], live, m[r], l[r]);
-          if constexpr (kInt8) scale_weights(pj[b][r], live, v_scales[b]);
+          alpha[b][r] = softmax_update(pj[b][r], live[b][r], m[r], l[r]);
+          if constexpr (kInt8) scale_weights(pj[b][r], live[b][r], v_scales[b]);
         }
     if constexpr (kInt8) {  // each row's weights as words of 4 keys against the value rows
       alignas(64) uint32_t w[kChunk][4][8];
@@ -688,7 +721,7 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, PageTable p
       }
       for (int d0 = 0; d0 < DV; d0 += 4)  // 64 dimensions at a time: 16 integer accumulators
         for (int b = 0; b < nb; ++b) {
-          if (d0 == 0) prefetch_values(vc, pages, c0 + 16 * (b + kChunk), n_keys, kvh, KVH, D, page_size);
+          if (d0 == 0) prefetch(c0 + b + kChunk, false);
           const int dn = std::min(4, DV - d0);
           __m512i dots[4][4];
           const uint32_t* rows = (const uint32_t*)vb[b];
@@ -700,7 +733,7 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, PageTable p
       for (int d0 = 0; d0 < DV; d0 += 4) {  // 64 dimensions at a time: 16 accumulators
         const int dn = std::min(4, DV - d0);
         for (int b = 0; b < nb; ++b) {
-          if (d0 == 0) prefetch_values(vc, pages, c0 + 16 * (b + kChunk), n_keys, kvh, KVH, D, page_size);
+          if (d0 == 0) prefetch(c0 + b + kChunk, false);
           __m512 a[4][4];
           int n_max = 0;
           // Rows loop to 4 (guarded) so that the compiler unrolls them: a[][] stays in registers.
@@ -763,8 +796,8 @@ void attention(const float* q, const Cache* kc, const Cache* vc, const int32_t* 
     if (in_tree(t))
       group(q + row, kc, vc, table, ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot,
             tree_start[t], tree_bits[t], w);
-    else if (n * G <= 4 && page_size % 16 == 0 && (!w.size || ctx[t + n - 1] <= w.size))
-      direct(q + row, kc, vc, table, ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot);
+    else if (n * G <= 4 && page_size % 16 == 0)
+      direct(q + row, kc, vc, table, ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot, w);
     else
       group(q + row, kc, vc, table, ctx + t, n, kvh, G, H, KVH, D, page_size, scale, ot, -1, 0, w);
   };

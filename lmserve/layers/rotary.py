@@ -52,11 +52,12 @@ class RotaryEmbedding:
             return self.cos[positions], self.sin[positions]
         freqs = torch.outer(positions.double(), self.inv_freq.double())  # (T, hd/2)
         emb = torch.cat([freqs, freqs], dim=-1)
-        inside = positions < len(self.cos)
-        cos = torch.where(inside.unsqueeze(1), self.cos[positions.clamp(max=len(self.cos) - 1)],
-                          emb.cos().to(self.cos))
-        sin = torch.where(inside.unsqueeze(1), self.sin[positions.clamp(max=len(self.sin) - 1)],
-                          emb.sin().to(self.sin))
+        cos, sin = emb.cos().to(self.cos), emb.sin().to(self.sin)
+        if int(positions.min()) < len(self.cos):  # a step straddling the table's end
+            inside = (positions < len(self.cos)).unsqueeze(1)
+            table = positions.clamp(max=len(self.cos) - 1)
+            cos = torch.where(inside, self.cos[table], cos)
+            sin = torch.where(inside, self.sin[table], sin)
         return cos, sin
 
 
