@@ -405,12 +405,10 @@ def _check_combinations(c: EngineConfig) -> None:
                 raise ValueError(f"{name}={getattr(c, name)} needs speculative decoding, but "
                                  f"speculative_mode='disable'")
     if c.max_total_sequence_length is not None:
-        # Under a sliding window a sequence holds only its window's pages: the plan checks it.
-        bounded_by_window = ("max_single_sequence_length",) if c.sliding_window_size else ()
         for name in ("max_single_sequence_length", "prefill_chunk_size"):
             value = getattr(c, name)
-            if name in bounded_by_window:
-                continue
+            if name == "max_single_sequence_length" and c.sliding_window_size:
+                continue  # a windowed sequence holds only its window's pages: the plan checks it
             if value is not None and value > c.max_total_sequence_length:
                 raise ValueError(
                     f"{name}={value} exceeds max_total_sequence_length="

@@ -142,10 +142,16 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     # (A draft model attends with the same window: see EngineCore.)
     window, window_layers = resolve_window(config.sliding_window_size, config.attention_sink_size, args)
     bounded = window is not None and window_layers is None
-    longest = context
+    page = config.kv_cache_page_size
     # A draft model's KV may trail a sequence's by its newest token and accepted drafts: the
     # window's pages are kept for it too.
     lag = (config.spec_draft_length or MAX_ADAPTIVE_K) + 1 if draft_args is not None else 0
+
+    def pages_per_sequence(single: int, chunk: int) -> int:
+        """The most pages one sequence holds: its length's, or (every layer windowed) its
+        window's."""
+        dense = -(-single // page)
+        return min(dense, window.max_pages(page, chunk + lag)) if bounded else dense
 
     def step_workspace(batch: int, chunk: int, single: int) -> int:
         # Verifying drafts wants a logit row per draft too, within the step's tokens.
@@ -164,27 +170,23 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     if mode == "server":
         batch = _given_or(config.max_num_sequence, SERVER_BATCH)
         chunk = _given_or(config.prefill_chunk_size, min(context, SERVER_CHUNK))
-        single = _given_or(config.max_single_sequence_length, longest)
+        single = _given_or(config.max_single_sequence_length, context)
         workspace = step_workspace(batch, chunk, single)
         room = budget - weights - workspace - margin
         # Whole pages only; more KV than every sequence at full length could never be used.
-        page_bytes = config.kv_cache_page_size * kv_per_token
-        fits = max(0, room // page_bytes) * config.kv_cache_page_size
-        held = _pages_per_sequence(single, chunk + lag, config.kv_cache_page_size,
-                                   window if bounded else None)
-        total = _given_or(config.max_total_sequence_length,
-                          min(fits, batch * held * config.kv_cache_page_size))
+        fits = max(0, room // (page * kv_per_token)) * page
+        held = pages_per_sequence(single, chunk)
+        total = _given_or(config.max_total_sequence_length, min(fits, batch * held * page))
     else:
         batch = _given_or(config.max_num_sequence, _MODE_BATCH[mode])
         total = _given_or(config.max_total_sequence_length, context)
-        single = _given_or(config.max_single_sequence_length, min(longest, total))
+        single = _given_or(config.max_single_sequence_length, min(context, total))
         chunk = _given_or(config.prefill_chunk_size, min(context, total))
+        held = pages_per_sequence(single, chunk)
         if bounded and config.max_total_sequence_length is None:  # a stream's window and chunk
-            total = max(total, _pages_per_sequence(single, chunk + lag, config.kv_cache_page_size,
-                                                   window) * config.kv_cache_page_size)
+            total = max(total, held * page)
         workspace = step_workspace(batch, chunk, single)
 
-    page = config.kv_cache_page_size
     num_pages = -(-total // page)  # ceil: the last page may be partly used
     draft = 0
     if draft_args is not None:
@@ -197,7 +199,6 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         if window.size <= deepest:
             raise ValueError(f"a sliding window of {window.size} tokens must exceed the deepest "
                              f"draft ({deepest} tokens): a draft sees its whole path")
-    held = _pages_per_sequence(single, chunk + lag, page, window if bounded else None)
     _check(context, memory, total, single, chunk, util, draft_args is not None,
            window if bounded else None, held * page)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
@@ -222,12 +223,6 @@ def resolve_window(size: Optional[int], sinks: Optional[int], args: ModelArgs
         return None, None
     return AttentionWindow(size, sinks or 0), (
         args.sliding_window_layers if own is not None else None)
-
-
-def _pages_per_sequence(single: int, chunk: int, page: int, window: Optional[AttentionWindow]) -> int:
-    """The most pages one sequence holds: its length's, or (every layer windowed) its window's."""
-    dense = -(-single // page)
-    return dense if window is None else min(dense, window.max_pages(page, chunk))
 
 
 def _describe_window(plan: EnginePlan) -> str:

@@ -62,11 +62,11 @@ class ModelRunner:
         )
         pos = torch.tensor(positions, device=self.device)
         cos, sin = self.rotary.lookup(pos)
-        if self.window is not None and self.window.sinks:
-            sink_positions = [self.window.sink_position(p) for p in positions]
-            if sink_positions != positions:
-                attn_in.sink_cos, attn_in.sink_sin = self.rotary.lookup(
-                    torch.tensor(sink_positions, device=self.device))
+        window = self.window
+        if window is not None and window.sinks and max(positions, default=0) > window.last_sink_position:
+            # Some query scores its sinks from a moved position (attention/window.py).
+            attn_in.sink_cos, attn_in.sink_sin = self.rotary.lookup(
+                pos.clamp(max=window.last_sink_position))
         ctx = ForwardContext(
             backend=self.backend,
             attn_meta=self.backend.prepare(attn_in, self.kv.page_size, self.device),

@@ -141,7 +141,7 @@ def test_a_draft_tree_under_a_window_attends_as_its_chains_would(name, page):
     positions = torch.tensor([30 + m.bit_count() - 1 for m in masks])
     cos, sin = rotary.lookup(positions)
     inp = AttentionInput([6], [36], [table], tree_masks=[masks], window=window, dense_layers=False)
-    inp.sink_cos, inp.sink_sin = rotary.lookup(positions.clamp(max=window.sinks + window.size - 1))
+    inp.sink_cos, inp.sink_sin = rotary.lookup(positions.clamp(max=window.last_sink_position))
     got = backend.forward(backend.prepare(inp, page, torch.device("cpu")), nodes, cos, sin,
                           kv.k[0], kv.v[0], windowed=True).view(6, H, hd)
     for i, m in enumerate(masks):
@@ -156,7 +156,7 @@ def run_window_steps_on(backend, window, qkv, table, kv, rotary, page) -> None:
     positions = torch.arange(n)
     cos, sin = rotary.lookup(positions)
     inp = AttentionInput([n], [n], [table], window=window, dense_layers=False)
-    inp.sink_cos, inp.sink_sin = rotary.lookup(positions.clamp(max=window.sinks + window.size - 1))
+    inp.sink_cos, inp.sink_sin = rotary.lookup(positions.clamp(max=window.last_sink_position))
     backend.forward(backend.prepare(inp, page, torch.device("cpu")), qkv, cos, sin, kv.k[0], kv.v[0],
                     windowed=True)
 

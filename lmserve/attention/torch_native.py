@@ -95,7 +95,7 @@ class TorchNativeBackend(AttentionBackend):
                 zip(inp.query_lens, inp.context_lens, inp.page_tables, trees)):
             slot_chunks.append(_new_slots(pages, ctx - qlen, ctx, page_size))
             if not inp.dense_layers:
-                pass
+                pass  # no layer reads the dense parts (and pages past the window may be gone)
             elif qlen == 1:
                 decode_tokens.append(start)
                 decode_seqs.append(i)

@@ -40,9 +40,14 @@ class AttentionWindow:
         """Whether a query at ``position`` attends the key at ``key`` (``key <= position``)."""
         return key < self.sinks or key >= self.lowest_key(position)
 
+    @property
+    def last_sink_position(self) -> int:
+        """The farthest position a query scores the sinks from (see the module doc)."""
+        return self.sinks + self.size - 1
+
     def sink_position(self, position: int) -> int:
-        """The position a query at ``position`` scores the sinks from (see the module doc)."""
-        return min(position, self.sinks + self.size - 1) if self.sinks else position
+        """The position a query at ``position`` scores the sinks from."""
+        return min(position, self.last_sink_position) if self.sinks else position
 
     def first_needed(self, position: int) -> int:
         """The oldest key past the sinks that a query at ``position`` or later can still see."""

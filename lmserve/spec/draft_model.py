@@ -7,9 +7,9 @@ step with prefill chunks (it runs them in the same step as the target), catches 
 skipped (steps where nothing was drafted), then drafts greedily, one pass per draft position for
 all drafting sequences together. Under a sliding window on every layer (``keep_up``) every
 decoding sequence's draft KV catches up in every step, drafted or not: pages are kept for the
-oldest key either model still needs, so a lagging draft would hold ever more. With a tree width ``w`` > 1 the ``w - 1`` next best tokens at
-each depth are drafted too, as leaves beside the chain: free for the draft, and the target
-verifies them in the same pass. Its drafts are deterministic (the draft's best tokens), so the
+oldest key either model still needs, so a lagging draft would hold ever more. With a tree
+width ``w`` > 1 the ``w - 1`` next best tokens at each depth are drafted too, as leaves beside
+the chain: free for the draft, and the target verifies them in the same pass. Its drafts are deterministic (the draft's best tokens), so the
 target's verification needs no draft probabilities (see ``speculator``); after verification the
 draft's count is clamped to the verified tokens its KV holds (``Scheduler.update``).
 """
