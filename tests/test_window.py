@@ -6,14 +6,20 @@ rotated at their own positions; a query scores the sinks from a moved position).
 import pytest
 import torch
 
+from conftest import generate_tokens, run_concurrently, wait_idle
+from lmserve import Engine, SamplingParams
 from lmserve.attention import cpu_paged
 from lmserve.attention.base import RELEASED, AttentionInput, AttentionShape, create_backend
 from lmserve.attention.window import AttentionWindow
 from lmserve.cache.kv import KVCache
+from lmserve.config import EngineConfig
+from lmserve.engine.core import EngineCore
 from lmserve.layers.rotary import RotaryEmbedding, apply_rotary
+from prompts import CHAT_PROMPTS, long_prompt
+from test_reference import assert_matches_transformers
+from tiny_models import make_hf_llama
 
 H, KVH = 4, 2
-BACKENDS = ["torch_native", "cpu_paged"]
 
 
 def kernel(shape, dtype=torch.float32):
@@ -174,14 +180,6 @@ def test_rotary_angles_past_the_table_are_computed_in_float64():
 
 
 # -- the engine ---------------------------------------------------------------------------------
-
-from lmserve import Engine, SamplingParams  # noqa: E402
-from lmserve.config import EngineConfig  # noqa: E402
-from lmserve.engine.core import EngineCore  # noqa: E402
-from conftest import generate_tokens, run_concurrently, wait_idle  # noqa: E402
-from prompts import CHAT_PROMPTS, long_prompt  # noqa: E402
-from test_reference import assert_matches_transformers  # noqa: E402
-from tiny_models import make_hf_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
