@@ -23,6 +23,7 @@ from lmserve.cache.kv import kv_bytes_per_head
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.models.args import ModelArgs
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K
+from lmserve.state_plan import StatePlan, plan_state
 
 DEFAULT_MODE = "local"
 DEFAULT_MEMORY_UTILIZATION = 0.85
@@ -60,10 +61,11 @@ class MemoryPlan:
     workspace: int  # activations, attention gathers and logits of the largest step
     margin: int  # the runtime itself
     draft: int = 0  # of weights and kv: the draft model's weights and KV (small_draft)
+    state: int = 0  # recurrent-state slots (Mamba-family models)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.workspace + self.margin
+        return self.weights + self.kv + self.state + self.workspace + self.margin
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class EnginePlan:
     window: Optional[AttentionWindow]  # sliding-window attention of window_layers, or None
     window_layers: Optional[tuple[int, ...]]  # the windowed layers; None: every layer
     max_pages_per_sequence: int  # the most KV pages one sequence holds
+    state: Optional[StatePlan]  # recurrent-state slots, for models with recurrent layers
     memory: MemoryPlan
 
     @property
@@ -98,7 +101,7 @@ class EnginePlan:
     def describe(self) -> str:
         """An aligned two-column table of the plan, for the start-up log and ``lmserve plan``."""
         rows = [(f.name, str(getattr(self, f.name))) for f in dataclasses.fields(self)
-                if f.name not in ("memory", "window", "window_layers")]
+                if f.name not in ("memory", "window", "window_layers", "state")]
         rows.insert(next(i for i, (name, _) in enumerate(rows) if name == "max_pages_per_sequence"),
                     ("sliding_window", _describe_window(self)))
         m = self.memory
@@ -106,6 +109,8 @@ class EnginePlan:
             ("weights", _gib(m.weights)),
             ("kv_bytes_per_token", f"{m.kv_per_token:,}"),
             ("kv_cache", _gib(m.kv)),
+            *([("recurrent_state", f"{_gib(m.state)} in {self.state.describe()}")]
+              if self.state else []),
             ("workspace", _gib(m.workspace)),
             ("runtime_margin", _gib(m.margin)),
             *([("draft_model", f"{_gib(m.draft)} of the weights and KV cache above")]
@@ -167,45 +172,57 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
                                    _kv_per_token(a, d), o.attention == "torch_native", rows, seen)
                    for (a, o), d in zip(models, kv_dtypes))
 
+    recurrent_only = not args.attention_layers  # no KV at all: every layer is recurrent
     if mode == "server":
         batch = _given_or(config.max_num_sequence, SERVER_BATCH)
         chunk = _given_or(config.prefill_chunk_size, min(context, SERVER_CHUNK))
         single = _given_or(config.max_single_sequence_length, context)
         workspace = step_workspace(batch, chunk, single)
         room = budget - weights - workspace - margin
-        # Whole pages only; more KV than every sequence at full length could never be used.
-        fits = max(0, room // (page * kv_per_token)) * page
         held = pages_per_sequence(single, chunk)
-        total = _given_or(config.max_total_sequence_length, min(fits, batch * held * page))
+        if args.ssm_layers and config.max_num_sequence is None:
+            # As many sequences as their state slots (and a hybrid's KV) fit, as MLC LLM sizes
+            # its RNN-state models.
+            per_sequence = plan_state(config, args, 1).bytes + held * page * kv_per_token
+            batch = max(1, min(batch, room // per_sequence))
+        if args.ssm_layers:
+            room -= plan_state(config, args, batch).bytes
+        # Whole pages only; more KV than every sequence at full length could never be used.
+        fits = max(0, room // (page * kv_per_token)) * page if kv_per_token else 0
+        total = _given_or(config.max_total_sequence_length,
+                          batch * single if recurrent_only else min(fits, batch * held * page))
     else:
         batch = _given_or(config.max_num_sequence, _MODE_BATCH[mode])
         total = _given_or(config.max_total_sequence_length, context)
         single = _given_or(config.max_single_sequence_length, min(context, total))
+        if recurrent_only and config.max_total_sequence_length is None:
+            total = batch * single  # tokens only bound time: a sequence's state has one size
         chunk = _given_or(config.prefill_chunk_size, min(context, total))
         held = pages_per_sequence(single, chunk)
         if bounded and config.max_total_sequence_length is None:  # a stream's window and chunk
             total = max(total, held * page)
         workspace = step_workspace(batch, chunk, single)
 
-    num_pages = -(-total // page)  # ceil: the last page may be partly used
+    num_pages = 0 if recurrent_only else -(-total // page)  # ceil: the last page may be partly used
+    state = plan_state(config, args, batch)
     draft = 0
     if draft_args is not None:
         draft = (weight_bytes(draft_args, models[1][1].weight_dtype, models[1][1].act_dtype)
                  + num_pages * page * _kv_per_token(draft_args, kv_dtypes[1]))
     memory = MemoryPlan(device, budget, weights, kv_per_token, num_pages * page * kv_per_token,
-                        workspace, margin, draft)
+                        workspace, margin, draft, state.bytes if state else 0)
     if window is not None and config.speculative_mode != "disable":
         deepest = config.spec_draft_length or MAX_ADAPTIVE_K
         if window.size <= deepest:
             raise ValueError(f"a sliding window of {window.size} tokens must exceed the deepest "
                              f"draft ({deepest} tokens): a draft sees its whole path")
     _check(context, memory, total, single, chunk, util, draft_args is not None,
-           window if bounded else None, held * page)
+           window if bounded else None, held * page, recurrent_only)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
                       opt.weight_dtype, kv_dtypes[0], opt.act_dtype,
                       opt.mlp_act_dtype or opt.act_dtype, opt.attention, opt.compile,
                       _speculative(config, models), kv_dtypes[1] if draft_args else None,
-                      window, window_layers, held, memory)
+                      window, window_layers, held, state, memory)
 
 
 def resolve_window(size: Optional[int], sinks: Optional[int], args: ModelArgs
@@ -240,7 +257,7 @@ def _kv_dtype(args: ModelArgs, opt: OptFlags, page_size: int) -> str:
 
 
 def _kv_per_token(args: ModelArgs, kv_dtype: str) -> int:
-    return args.num_layers * args.num_kv_heads * kv_bytes_per_head(args.head_dim, kv_dtype)
+    return len(args.attention_layers) * args.num_kv_heads * kv_bytes_per_head(args.head_dim, kv_dtype)
 
 
 def _speculative(config: EngineConfig, models: list[tuple[ModelArgs, OptFlags]]) -> str:
@@ -272,7 +289,16 @@ def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16
     table = embed * (per_weight if dense else _TABLE_BYTES[act_dtype])
     head = 0 if dense and args.tie_word_embeddings else embed * per_weight
     norms = (2 * args.num_layers + 1) * d
-    return int(args.num_layers * (attn + mlp) * per_weight + table + head + norms * 4)
+    matmuls = len(args.attention_layers) * attn + args.num_layers * mlp
+    if args.ssm is not None:  # in/out projections as weight_format; the rest float32
+        s = args.ssm
+        proj = d * (s.inner + s.conv_dim + s.num_heads) if s.version == 2 else d * 2 * s.inner
+        small = s.conv_dim * (s.conv_kernel + 1) + s.inner * (
+            s.dt_rank + 2 * s.state_size + s.dt_rank + 1 + s.state_size + 1) if s.version == 1 else \
+            s.conv_dim * (s.conv_kernel + 1) + 3 * s.num_heads + s.inner
+        matmuls += len(args.ssm_layers) * (proj + s.inner * d)
+        norms += len(args.ssm_layers) * small
+    return int(matmuls * per_weight + table + head + norms * 4)
 
 
 def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per_token: int,
@@ -296,7 +322,22 @@ def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per
     per_layer_kv = kv_per_token // args.num_layers  # keys and values of one token, one layer
     gather = 3 * batch * single * per_layer_kv if gathers_kv else 0  # pages + float32 copy
     scores = 3 * args.num_heads * tokens * window_keys * 4 if gathers_kv else 0
-    return activations + logits + gather + scores
+    return activations + logits + gather + scores + _mixer_workspace(args, batch, tokens)
+
+
+def _mixer_workspace(args: ModelArgs, batch: int, tokens: int) -> int:
+    """A recurrent layer's temporaries: its projections and convolution of the step's tokens,
+    the decode sequences' states gathered and updated, and (Mamba2) the chunked scan's products
+    for one sequence's chunk of prompt."""
+    s = args.ssm
+    if s is None:
+        return 0
+    per_token = 2 * s.inner + s.conv_dim + s.num_heads + 3 * s.conv_dim + 3 * s.inner
+    states = 3 * batch * s.state_floats
+    chunks = -(-tokens // s.chunk_size)
+    scan = 3 * chunks * (s.chunk_size ** 2 * s.num_heads + s.num_heads * s.head_dim * s.state_size) \
+        if s.version == 2 else 0
+    return 4 * (tokens * per_token + states + scan)
 
 
 def system_memory_bytes() -> int:
@@ -305,16 +346,17 @@ def system_memory_bytes() -> int:
 
 
 def _check(context: int, m: MemoryPlan, total: int, single: int, chunk: int, util: float,
-           with_draft: bool, window: Optional[AttentionWindow], held: int) -> None:
+           with_draft: bool, window: Optional[AttentionWindow], held: int,
+           recurrent_only: bool = False) -> None:
     """``window``: the window of every layer (None if some layer is dense); ``held``: the most
-    tokens' KV one sequence holds."""
-    if single > context and window is None:
+    tokens' KV one sequence holds; ``recurrent_only``: no layer attends (no positions, no KV)."""
+    if single > context and window is None and not recurrent_only:
         models = "the context window of the model or its draft model" if with_draft else \
             "the model's context window"
         raise ValueError(f"max_single_sequence_length={single} exceeds {models} "
                          f"of {context} tokens (only a model with a sliding window on every "
                          f"layer may run past it)")
-    if single > context and window.size + window.sinks > context:
+    if single > context and window is not None and window.size + window.sinks > context:
         raise ValueError(f"max_single_sequence_length={single} runs past the context window of "
                          f"{context} tokens, which needs sliding_window_size + attention_sink_size "
                          f"({window.size} + {window.sinks}) within it: a query would see keys "
@@ -326,7 +368,7 @@ def _check(context: int, m: MemoryPlan, total: int, single: int, chunk: int, uti
             f"runtime margin ({_gib(m.margin)}) need {_gib(fixed)}, over the memory budget of "
             f"{_gib(m.budget)} ({util:g} of {_gib(m.device)}); raise gpu_memory_utilization or "
             f"lower max_num_sequence / prefill_chunk_size / max_single_sequence_length")
-    if total < min(single, held):
+    if total < min(single, held) and not recurrent_only:
         need = f"max_single_sequence_length={single} tokens" if held >= single else \
             f"its sliding window and a prefill chunk ({held} tokens of pages)"
         raise ValueError(

@@ -54,6 +54,9 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     # Entries of ``pages`` after the sink pages that a sliding window gave back (RELEASED).
     num_released_pages: int = 0
+    # Recurrent-state models: the slot of its state and those for rollback (cache.state_manager).
+    state_slot: int = -1
+    history_slots: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[str] = None
     stop_reason: Union[str, int, None] = None

@@ -10,6 +10,8 @@ import torch
 from lmserve.attention.base import AttentionBackend, AttentionInput
 from lmserve.attention.window import AttentionWindow
 from lmserve.cache.kv import KVCache
+from lmserve.cache.state import StateCache
+from lmserve.layers.ssm import StateMeta, StateRun
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.models.llama import ForwardContext
 from lmserve.step import StepInput
@@ -21,8 +23,10 @@ class ModelRunner:
     def __init__(self, model, kv: KVCache, backend: AttentionBackend, ops, max_positions: int,
                  device: torch.device, compiled: Optional[CompiledLayerOps] = None,
                  window: Optional[AttentionWindow] = None,
-                 window_layers: Optional[tuple[int, ...]] = None) -> None:
+                 window_layers: Optional[tuple[int, ...]] = None,
+                 states: Optional[StateCache] = None) -> None:
         """``ops``: the element-wise layer ops (``layers.fused.TorchOps`` or ``FusedOps``);
+        ``states``: the recurrent layers' state slots (Mamba-family models), or None;
         ``compiled``: the layers' torch ops as compiled graphs (opt compile=1), or None;
         ``window``: the sliding window of ``window_layers`` (None: every layer), or None;
         ``max_positions``: the rotary table's (later positions are computed when met)."""
@@ -33,6 +37,7 @@ class ModelRunner:
         self.ops = ops
         self.device = device
         self.window = window
+        self.states = states
         num_layers = model.args.num_layers
         layers = range(num_layers) if window_layers is None else window_layers
         self.windowed = tuple(window is not None and i in layers for i in range(num_layers))
@@ -51,6 +56,14 @@ class ModelRunner:
             positions += s.positions()
             rows += range(len(input_ids) - s.num_logits, len(input_ids))
 
+        state_meta = None
+        if self.states is not None:
+            self.states.copy(step.state_copies)
+            offsets = [0]
+            for s in step.seqs:
+                offsets.append(offsets[-1] + len(s.token_ids))
+            state_meta = StateMeta([StateRun(o, len(s.token_ids), s.state_slot, s.start == 0,
+                                             s.history_slots) for o, s in zip(offsets, step.seqs)])
         trees = [s.tree_masks() for s in step.seqs]
         attn_in = AttentionInput(
             query_lens=[len(s.token_ids) for s in step.seqs],
@@ -69,7 +82,7 @@ class ModelRunner:
                 pos.clamp(max=window.last_sink_position))
         ctx = ForwardContext(
             backend=self.backend,
-            attn_meta=self.backend.prepare(attn_in, self.kv.page_size, self.device),
+            attn_meta=self.backend and self.backend.prepare(attn_in, self.kv.page_size, self.device),
             ops=self.ops,
             cos=cos,
             sin=sin,
@@ -77,6 +90,8 @@ class ModelRunner:
             layer_calls=self.layer_calls,
             compiled=self.compiled,
             windowed=self.windowed,
+            states=self.states,
+            state_meta=state_meta,
         )
         hidden = self.model.forward(torch.tensor(input_ids, device=self.device), ctx)  # (T, D)
         if not rows:

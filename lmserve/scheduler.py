@@ -55,7 +55,9 @@ class ScheduledChunk:
             n + p for p in self.draft.parents]
         return SeqStep(start=start, token_ids=tokens + self.draft.token_ids,
                        page_table=list(self.seq.pages),
-                       num_logits=1 + len(self.draft) if self.samples else 0, tree_parents=tree)
+                       num_logits=1 + len(self.draft) if self.samples else 0, tree_parents=tree,
+                       state_slot=self.seq.state_slot,
+                       history_slots=tuple(self.seq.history_slots[: len(self.draft)]))
 
     def accepted_moves(self) -> list[tuple[int, int]]:
         """Positions (from, to) that put the accepted path's KV at the positions of its depths
@@ -68,10 +70,11 @@ class ScheduledChunk:
 @dataclass
 class Batch:
     chunks: list[ScheduledChunk]
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # see StepInput
 
     def step_input(self) -> StepInput:
         """The step as the runner sees it: plain data, one ``SeqStep`` per chunk."""
-        return StepInput([c.seq_step() for c in self.chunks])
+        return StepInput([c.seq_step() for c in self.chunks], self.state_copies)
 
 
 def _fit(slots: list[int], room: int) -> list[int]:
@@ -129,14 +132,18 @@ class Scheduler:
                 chunks += self._admit_waiting(self.prefill_chunk_size - self._tokens(chunks))
             self._last_step_prefilled = bool(chunks)
             if chunks:
-                return Batch(chunks)
+                return self._batch(chunks)
             # No page for any prefill: run the decodes rather than stall.
         self._last_step_prefilled = False
         chunks = self._schedule_running(decodes=True, prefills=self.prefill_mode == "hybrid")
         if self.prefill_mode == "hybrid" and self.num_preemptions == preempted:
             chunks += self._admit_waiting(self.prefill_chunk_size - self._tokens(chunks))
         self._grant_draft_slots(chunks)
-        return Batch(chunks) if chunks else None
+        return self._batch(chunks)
+
+    def _batch(self, chunks: list[ScheduledChunk]) -> Optional[Batch]:
+        """The step's batch, with the state copies decided since the last one; None if empty."""
+        return Batch(chunks, self.kv.take_state_copies()) if chunks else None
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out of the queues, offer its KV to the prefix
@@ -162,8 +169,9 @@ class Scheduler:
             seq.num_draft_computed = min(
                 seq.num_draft_computed, seq.num_computed + c.num_tokens + num_in_place(c.accepted))
             # The accepted drafts have KV; a stop inside the accepted run may have cut the tokens.
-            seq.num_computed = min(seq.num_computed + c.num_tokens + c.num_accepted,
-                                   len(seq.token_ids))
+            start = seq.num_computed
+            seq.num_computed = min(start + c.num_tokens + c.num_accepted, len(seq.token_ids))
+            self.kv.keep_state(seq, start, c.num_tokens + len(c.draft))
             if not c.decode:
                 self.kv.cache(seq)
             self.kv.rollback(seq)  # pages reserved for rejected or unused draft slots
@@ -193,7 +201,8 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             is_decode = seq.is_decoding
-            n = (1 if decodes else 0) if is_decode else min(seq.num_pending, budget)
+            n = (1 if decodes else 0) if is_decode else self.kv.chunk_limit(
+                seq, min(seq.num_pending, budget))
             if n <= 0:
                 i += 1
                 continue
@@ -237,7 +246,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_sequence:
             seq = self.waiting[0]
             reused = self.kv.match_prefix(seq)
-            n = min(seq.num_pending, budget)
+            n = self.kv.chunk_limit(seq, min(seq.num_pending, budget))
             if not self.kv.allocate(seq, n):
                 if reused:  # give the shared prefix back; it is matched again next time
                     self.kv.free(seq)

@@ -7,7 +7,7 @@ tensor-parallel rank will receive, and it already says everything speculative de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -23,6 +23,11 @@ class SeqStep:
     # the cached context), parents first; a token's position is then start + its depth. None: a
     # chain (token i at start + i).
     tree_parents: Optional[list[int]] = None
+    # Recurrent layers: the slot holding the sequence's state after its first ``start`` tokens
+    # (read unless start is 0, written after), and slots for the states after each of its
+    # tokens but the last (a chain of drafts that may be rolled back). -1: no recurrent state.
+    state_slot: int = -1
+    history_slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_logits <= len(self.token_ids):
@@ -61,6 +66,9 @@ class StepInput:
     """Every sequence of one step, in the order their logit rows come back."""
 
     seqs: list[SeqStep]
+    # Recurrent state copies (src slot, dst slot) to make, in order, before the step runs: a
+    # rollback to a history slot, a prefix-cache snapshot taken or restored.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

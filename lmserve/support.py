@@ -16,8 +16,6 @@ _NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model_lib", lambda v: v is not None, "ahead-of-time compiled model libraries"),
     ("tensor_parallel_shards", lambda v: v is not None and v > 1, "tensor parallelism"),
     ("pipeline_parallel_stages", lambda v: v is not None and v > 1, "pipeline parallelism"),
-    ("max_history_size", lambda v: v is not None, "recurrent-state rollback history"),
-    ("kv_state_kind", lambda v: v == "rnn_state", "recurrent-state models"),
     ("speculative_mode", lambda v: v in ("eagle", "medusa"),
      "EAGLE and Medusa speculative decoding"),
     ("additional_models", lambda v: any(isinstance(m, tuple) for m in v),

@@ -13,6 +13,7 @@ from lmserve.attention import resolve_attention, why_no_int8_kv
 from lmserve.attention.base import AttentionShape, create_backend
 from lmserve.attention.cpu_paged import CpuPagedBackend
 from lmserve.cache.kv import KV_DTYPES, KVCache
+from lmserve.cache.state import StateCache
 from lmserve.config import OptFlags
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.fused import FusedOps, TorchOps
@@ -38,19 +39,24 @@ def build_worker(model_path: str, args: ModelArgs, plan: EnginePlan, opt: OptFla
     del weights
 
     shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
-    if plan.kv_dtype != opt.kv_dtype:  # int8 KV, which only the C++ kernel reads
-        logger.warning("kv_dtype=%s is unavailable here (%s); using a %s KV cache", opt.kv_dtype,
-                       why_no_int8_kv(shape, plan.page_size), plan.kv_dtype)
     kv_dtype = KV_DTYPES[plan.kv_dtype]
-    backend = create_backend(resolve_attention(opt.attention, shape, kv_dtype), shape)
-    kv = KVCache(args.num_layers, plan.num_pages, plan.page_size, args.num_kv_heads, args.head_dim,
-                 kv_dtype, device, backend.keys_transposed)
+    backend = None  # a model without attention layers (Mamba) has neither backend nor KV
+    if args.attention_layers:
+        if plan.kv_dtype != opt.kv_dtype:  # int8 KV, which only the C++ kernel reads
+            logger.warning("kv_dtype=%s is unavailable here (%s); using a %s KV cache", opt.kv_dtype,
+                           why_no_int8_kv(shape, plan.page_size), plan.kv_dtype)
+        backend = create_backend(resolve_attention(opt.attention, shape, kv_dtype), shape)
+    kv = KVCache(len(args.attention_layers), plan.num_pages, plan.page_size, args.num_kv_heads,
+                 args.head_dim, kv_dtype, device, backend is not None and backend.keys_transposed)
+    states = None
+    if plan.state is not None:
+        states = StateCache(args.ssm, len(args.ssm_layers), plan.state.num_slots, device)
     # cpu_paged means lmserve's C++ kernels throughout: attention and the element-wise ops.
     ops = TorchOps()
-    if isinstance(backend, CpuPagedBackend):
+    if isinstance(backend, CpuPagedBackend) or (backend is None and opt.attention == "cpu_paged"):
         ops = FusedOps.create() or ops
     compiled = CompiledLayerOps() if opt.compile else None  # parse_opt allows it on dense weights only
     # Positions past the context (streaming under a window) are computed as they come.
     positions = min(plan.max_single_sequence_length, args.context_length)
     return ModelRunner(model, kv, backend, ops, positions, device, compiled, plan.window,
-                       plan.window_layers)
+                       plan.window_layers, states)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import threading
 import time
 
 import pytest
 import torch
 
-from lmserve import Engine
+from lmserve import AsyncEngine, Engine, SamplingParams
 from lmserve.models.builtin import builtin_model_path
 from server_process import ServerProcess
 from tiny_models import make_hf_llama
@@ -96,3 +98,32 @@ def run_concurrently(engine: Engine, prompts, params, delays=None) -> list[list[
     for t in threads:
         t.join(300)
     return results
+
+
+def churn_with_aborts(engine: AsyncEngine, n: int) -> None:
+    """``n`` requests of random prompts, lengths, sampling and ``n``, arriving over 0.2 s, a
+    third of them aborted after 0, 1 or 3 outputs (by leaving the stream); waits until the
+    engine is idle and checks that every request was answered and none is left."""
+    rng = random.Random(0)
+    vocab = engine.tokenizer.vocab_size
+
+    async def one(i: int) -> int:
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
+        params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 30),
+                                n=rng.choice([1, 1, 2]), seed=i)
+        abort_after = rng.choice([None, None, 0, 1, 3])
+        await asyncio.sleep(rng.random() * 0.2)
+        seen = 0
+        async for _ in engine.generate(prompt, params):
+            seen += 1
+            if abort_after is not None and seen > abort_after:
+                break  # leaving the iterator aborts the request
+        return seen
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+    counts = asyncio.run(main())
+    assert len(counts) == n and all(c >= 1 for c in counts)
+    wait_idle(engine)
+    assert not engine._core.requests

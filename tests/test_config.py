@@ -297,6 +297,7 @@ def test_default_config_is_supported():
         {"prefix_cache_mode": "radix"},
         {"prefix_cache_mode": "disable"},
         {"kv_state_kind": "kv_cache"},
+        {"kv_state_kind": "rnn_state", "max_history_size": 4},
         {"prefill_mode": "chunked"},
         {"max_num_sequence": 8, "max_total_sequence_length": 4096, "prefill_chunk_size": 256},
         {"speculative_mode": "ngram"},
@@ -315,8 +316,6 @@ UNBUILT = [
     ({"model_lib": "model.so"}, "model_lib"),
     ({"tensor_parallel_shards": 2}, "tensor_parallel_shards"),
     ({"pipeline_parallel_stages": 2}, "pipeline_parallel_stages"),
-    ({"max_history_size": 1}, "max_history_size"),
-    ({"kv_state_kind": "rnn_state"}, "kv_state_kind"),
     ({"speculative_mode": "eagle", "additional_models": ["d"]}, "speculative_mode"),
     ({"speculative_mode": "small_draft", "additional_models": [("d", "d.so")]}, "additional_models"),
 ]

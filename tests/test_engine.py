@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
-import random
 import threading
 
 import pytest
 import torch
 
-from conftest import generate_tokens as run_one, run_concurrently as run_together, wait_idle
+from conftest import churn_with_aborts, generate_tokens as run_one, run_concurrently as run_together, wait_idle
 from lmserve import AsyncEngine, Engine, SamplingParams
 from prompts import CHAT_PROMPTS
 
@@ -70,31 +68,9 @@ def test_preemption_under_a_tiny_kv_budget_keeps_outputs_and_frees_pages(chat_pr
 def test_no_page_leaks_after_many_finished_and_aborted_requests(tiny_model_dir):
     engine = AsyncEngine(tiny_model_dir, max_num_sequence=16, max_total_sequence_length=1024,
                          prefill_chunk_size=128, kv_cache_page_size=8, verbose=False)
-    rng = random.Random(0)
-    vocab = engine.tokenizer.vocab_size
-
-    async def one(i: int) -> int:
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
-        params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 30),
-                                n=rng.choice([1, 1, 2]), seed=i)
-        abort_after = rng.choice([None, None, 0, 1, 3])
-        await asyncio.sleep(rng.random() * 0.2)
-        seen = 0
-        async for _ in engine.generate(prompt, params):
-            seen += 1
-            if abort_after is not None and seen > abort_after:
-                break  # leaving the iterator aborts the request
-        return seen
-
-    async def main():
-        return await asyncio.gather(*(one(i) for i in range(220)))
-
     try:
-        counts = asyncio.run(main())
-        assert len(counts) == 220 and all(c >= 1 for c in counts)
-        wait_idle(engine)
+        churn_with_aborts(engine, 220)
         assert engine.kv_pages_in_use() == 0
-        assert not engine._core.requests
     finally:
         engine.shutdown()
 

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import (BambaConfig, BambaForCausalLM, LlamaConfig, LlamaForCausalLM, Mamba2Config,
+                          Mamba2ForCausalLM, MambaConfig, MambaForCausalLM, PreTrainedModel, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 from lmserve.models.builtin import builtin_model_path
 from lmserve.models.gguf_reader import llama3_rope_divisors, open_gguf
@@ -194,6 +196,55 @@ def make_gguf_llama(
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+_RECURRENT = {"mamba": (MambaConfig, MambaForCausalLM), "mamba2": (Mamba2Config, Mamba2ForCausalLM),
+              "bamba": (BambaConfig, BambaForCausalLM)}
+
+
+def random_recurrent_model(arch: str, seed: int = 0, **config: Any) -> PreTrainedModel:
+    """A random ``MambaForCausalLM``, ``Mamba2ForCausalLM`` or ``BambaForCausalLM`` (``arch``
+    mamba, mamba2, bamba) with the built-in tokenizer's vocab: small shapes unless ``config``
+    says otherwise, every parameter random (A_log and the time-step biases around the values
+    the models are initialised with, so that state decays at many rates)."""
+    config_cls, model_cls = _RECURRENT[arch]
+    settings: dict[str, Any] = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2,
+                                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    if arch == "mamba":
+        settings |= dict(state_size=8, conv_kernel=4, expand=2)
+    elif arch == "mamba2":
+        settings |= dict(state_size=16, num_heads=8, head_dim=16, n_groups=2, conv_kernel=4,
+                         expand=2, chunk_size=16)
+    else:
+        settings |= dict(num_hidden_layers=3, attn_layer_indices=[1], intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8,
+                         mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16,
+                         max_position_embeddings=2048)
+    settings.update(config)
+    model = model_cls(config_cls(**settings))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("A_log"):  # decays exp(-exp(A_log) * dt) between about 0.3 and 1
+                param.copy_(torch.log(torch.rand(param.shape, generator=generator) * 2 + 0.1))
+            elif name.endswith("dt_bias") or name.endswith("dt_proj.bias"):
+                param.copy_(-1 + 0.5 * noise)
+            elif "norm" in name:
+                param.copy_(1 + 0.1 * noise)
+            elif "conv1d" in name:
+                param.copy_(0.3 * noise)
+            else:
+                param.copy_(0.05 * noise)
+    return model.eval()
+
+
+def make_hf_recurrent(model_dir: str, arch: str, seed: int = 0, **config: Any) -> str:
+    """Save ``random_recurrent_model(arch, seed, **config)`` as a Hugging Face directory with
+    the built-in tokenizer; return the directory."""
+    random_recurrent_model(arch, seed, **config).save_pretrained(model_dir)
+    _builtin_tokenizer().hf.save_pretrained(model_dir)
+    return str(model_dir)
 
 
 @functools.lru_cache(maxsize=1)

@@ -16,6 +16,11 @@ its next token's window holds (``AttentionWindow.first_needed``). Their entries 
 become ``RELEASED``; it then holds at most ``AttentionWindow.max_pages``. Only the part of a
 sequence before its first released page can enter the prefix cache, so every cached prefix is
 complete, and a request that reuses one sees exactly the keys it would have computed.
+
+A model with recurrent layers (``states``, a ``StateManager``) also gives each sequence state
+slots; its prefix cache is state snapshots, and a cached prefix is reused only up to where a
+snapshot sits (and, in a hybrid, its KV pages reach). A model with no attention layer has no
+pages at all (``paged=False``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from lmserve.attention.base import RELEASED
 from lmserve.attention.window import AttentionWindow
 from lmserve.cache.pages import PagePool, pages_needed
 from lmserve.cache.radix import RadixCache
+from lmserve.cache.state_manager import StateManager
 from lmserve.request import Sequence
 
 
@@ -34,8 +40,11 @@ class KVCacheManager:
 
     def __init__(self, pool: PagePool, page_size: int,
                  prefix_cache: Optional[RadixCache] = None, with_draft: bool = False,
-                 window: Optional[AttentionWindow] = None) -> None:
+                 window: Optional[AttentionWindow] = None,
+                 states: Optional[StateManager] = None, paged: bool = True) -> None:
         self.pool = pool
+        self.states = states
+        self.paged = paged
         self.page_size = page_size
         self.prefix_cache = prefix_cache
         self.with_draft = with_draft
@@ -48,7 +57,11 @@ class KVCacheManager:
 
         The last token is never matched: its forward pass gives the logits to sample from.
         """
-        if self.prefix_cache is None or seq.num_computed or seq.pages:
+        if seq.num_computed or seq.pages:
+            return False
+        if self.states is not None:
+            return self._match_state(seq)
+        if self.prefix_cache is None:
             return False
         pages = self.prefix_cache.match(seq.token_ids[:-1])
         self.pool.share(pages)
@@ -58,8 +71,23 @@ class KVCacheManager:
         self.release_past_window(seq)
         return True
 
+    def _match_state(self, seq: Sequence) -> bool:
+        """``match_prefix`` with recurrent layers: the longest snapshot within the cached pages
+        (a hybrid's) or the prompt (all recurrent)."""
+        if self.states.snapshots is None:
+            return False
+        pages = self.prefix_cache.match(seq.token_ids[:-1]) if self.prefix_cache else []
+        limit = len(pages) * self.page_size if self.paged else len(seq.token_ids) - 1
+        n = self.states.match(seq, limit)
+        seq.pages = pages[: n // self.page_size] if self.paged else []
+        self.pool.share(seq.pages)
+        seq.num_computed = n
+        return True
+
     def pages_to_allocate(self, seq: Sequence, num_tokens: int, lookahead: int = 0) -> int:
         """New pages ``allocate(seq, num_tokens, lookahead)`` would take."""
+        if not self.paged:
+            return 0
         return max(0, pages_needed(seq.num_computed + num_tokens + lookahead, self.page_size)
                    - len(seq.pages))
 
@@ -79,6 +107,8 @@ class KVCacheManager:
             if need > self.pool.num_free:
                 return False
         seq.pages += self.pool.alloc(need)
+        if self.states is not None:
+            self.states.ensure(seq)
         return True
 
     def cache(self, seq: Sequence) -> None:
@@ -86,6 +116,17 @@ class KVCacheManager:
         requests arriving meanwhile can share them."""
         if self.prefix_cache is not None:
             self.prefix_cache.insert(seq.token_ids[: self._num_cacheable(seq)], seq.pages)
+        if self.states is not None:
+            self.states.at_boundary(seq)
+
+    def chunk_limit(self, seq: Sequence, num_tokens: int) -> int:
+        """``num_tokens`` of ``seq``'s pending prompt, cut at the next snapshot position (a
+        recurrent model's prefix cache can only keep states where a step ended)."""
+        every = self.states.snapshot_every if self.states and self.states.snapshots else 0
+        start = seq.num_computed
+        if not every or start + num_tokens >= len(seq.token_ids):
+            return num_tokens
+        return min(num_tokens, (start // every + 1) * every - start)
 
     def rollback(self, seq: Sequence) -> None:
         """Release the pages past the sequence's verified tokens (those reserved for drafts
@@ -96,6 +137,17 @@ class KVCacheManager:
         if len(seq.pages) > keep:
             self.pool.release(seq.pages[keep:])
             del seq.pages[keep:]
+
+    def keep_state(self, seq: Sequence, start: int, ran: int) -> None:
+        """A step ran ``ran`` tokens of ``seq`` from ``start`` and kept ``seq.num_computed - start``
+        of them: roll a recurrent state back past rejected drafts (KV needs nothing: see
+        ``rollback``)."""
+        if self.states is not None:
+            self.states.keep(seq, start, ran)
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The recurrent-state copies decided since the last step, for the next one to make."""
+        return self.states.take_copies() if self.states is not None else []
 
     def release_past_window(self, seq: Sequence) -> None:
         """Give back the pages of ``seq`` that no query from its next token on can see (under a
@@ -120,6 +172,8 @@ class KVCacheManager:
         when ``recycle``); the sequence then has no KV (``num_computed`` is 0)."""
         if recycle and self.prefix_cache is not None:
             self.prefix_cache.recycle(seq.token_ids[: self._num_cacheable(seq)], seq.pages)
+        if self.states is not None:
+            self.states.free(seq, snapshot=recycle)
         self.pool.release([p for p in seq.pages if p != RELEASED])
         seq.pages = []
         seq.num_computed = seq.num_draft_computed = seq.num_released_pages = 0

@@ -28,8 +28,8 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int) -> None:
-        if num_pages <= 0:
-            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        if num_pages < 0:  # 0: a model without attention layers (no KV)
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: the end is handed out next
         self._refs = [0] * num_pages

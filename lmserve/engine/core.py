@@ -14,6 +14,9 @@ import torch
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
+from lmserve.cache.snapshots import StateSnapshots
+from lmserve.cache.state import StateSlots
+from lmserve.cache.state_manager import StateManager
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
 from lmserve.models.loader import read_model_args, resolve_model_path
@@ -79,7 +82,9 @@ class EngineCore:
         self.prefix_cache = self._make_prefix_cache(config, plan)
         self.kv_manager = KVCacheManager(self.pool, plan.page_size, self.prefix_cache,
                                          with_draft=self.draft_runner is not None,
-                                         window=plan.window if plan.bounded else None)
+                                         window=plan.window if plan.bounded else None,
+                                         states=self._make_state_manager(plan),
+                                         paged=plan.num_pages > 0)
         self.speculator = make_speculator(config, plan, self.draft_runner)
         self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
                                    config.prefill_mode,
@@ -156,6 +161,10 @@ class EngineCore:
         """KV pages some request holds (pages only the prefix cache holds do not count)."""
         return self.kv_manager.pages_held_by_sequences()
 
+    def state_slots_held_by_requests(self) -> int:
+        """Recurrent-state slots some request holds (snapshots in the prefix cache do not count)."""
+        return self.kv_manager.states.held_by_sequences() if self.kv_manager.states else 0
+
     def stats(self) -> EngineStats:
         """A snapshot of queue sizes, KV use and counters (readable from any thread)."""
         sched, c = self.scheduler, self.counters
@@ -218,11 +227,23 @@ class EngineCore:
     def _make_prefix_cache(self, config: EngineConfig, plan) -> Optional[RadixCache]:
         """The radix prefix cache, unless disabled (mode "disable", or 0 recycled sequences)."""
         limit = config.prefix_cache_max_num_recycling_seqs
-        if config.prefix_cache_mode == "disable" or limit == 0:
+        if config.prefix_cache_mode == "disable" or limit == 0 or plan.num_pages == 0:
             return None
         if limit is None:
             limit = plan.max_num_sequence
         return RadixCache(self.pool, plan.page_size, max_recycled=None if limit == -1 else limit)
+
+    def _make_state_manager(self, plan) -> Optional[StateManager]:
+        """Recurrent-state slots and snapshots (a model with recurrent layers), or None.
+        Snapshots are taken where prompt chunks end at multiples of the prefill chunk (a
+        hybrid's: of whole pages too, so its cached KV pages end there)."""
+        if plan.state is None:
+            return None
+        align = plan.page_size if plan.num_pages else 1
+        every = plan.prefill_chunk_size // align * align
+        snapshots = StateSnapshots(plan.state.snapshots) if plan.state.snapshots else None
+        return StateManager(StateSlots(plan.state.num_slots), plan.state.history, snapshots,
+                            every, align)
 
     def _sample(self, batch: Batch, logits: torch.Tensor) -> list[_NewTokens]:
         """Each sampling chunk's new tokens: a row per drafted position and one after, sampled

@@ -79,6 +79,11 @@ class EngineBase:
         only by the prefix cache do not count)."""
         return self._loop.call(self._core.pages_held_by_requests)
 
+    def state_slots_in_use(self) -> int:
+        """Recurrent-state slots held by requests (a model with recurrent layers; 0 once every
+        request is finished or aborted; prefix-cache snapshots do not count)."""
+        return self._loop.call(self._core.state_slots_held_by_requests)
+
     def is_idle(self) -> bool:
         """True when no request is queued, running or waiting for its abort to be processed."""
         return self._loop.is_idle()

@@ -6,6 +6,7 @@ import math
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]) -> torch.Tensor:
@@ -38,8 +39,13 @@ class RotaryEmbedding:
     off by a tenth, while only the difference of query and key angles should matter.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling=None, device="cpu"):
-        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling=None, device="cpu",
+                 rotary_dim: Optional[int] = None):
+        """``rotary_dim``: rotate only that many leading dims of each head (partial rotary, with
+        the q/k weights' rows in ``partial_rotary_order``): the other pairs get frequency 0,
+        which leaves them as they are."""
+        inv_freq = rope_inv_freq(rotary_dim or head_dim, theta, scaling)
+        self.inv_freq = F.pad(inv_freq, (0, head_dim // 2 - len(inv_freq)))
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq)  # (P, hd/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (P, hd)
@@ -69,3 +75,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
+    """A head's dims reordered so that rotating the whole head in the rotate-half layout rotates
+    the first ``rotary_dim`` as transformers' partial rotary does (dim i with i + rotary_dim/2)
+    and pairs the rest with each other (at frequency 0, unchanged). q and k rows take this order
+    alike, so their dot products are those of the original order."""
+    r, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    first = list(range(r)) + [rotary_dim + j for j in range(rest)]
+    second = [r + j for j in range(r)] + [rotary_dim + rest + j for j in range(rest)]
+    return first + second

@@ -1,7 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat batch of tokens from many sequences.
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flat batch of tokens from many sequences,
+and the Mamba family on the same frame: a Mamba or Mamba2 model is a stack of blocks whose
+attention is a recurrent mixer (``models.mamba.MixerLayer``), a hybrid such as Bamba interleaves
+those with attention blocks.
 
 There is no batch dimension: ``T`` tokens of all scheduled sequences sit back to back, and the
-attention backend knows which tokens belong to which sequence and where their KV pages are.
+attention backend knows which tokens belong to which sequence and where their KV pages are (the
+recurrent layers: which slots hold their state, ``ForwardContext.state_meta``).
 """
 
 from __future__ import annotations
@@ -14,13 +18,16 @@ import torch
 from lmserve.attention.base import AttentionBackend
 from lmserve.attention.cpu_paged import CpuPagedBackend
 from lmserve.cache.kv import KVCache
+from lmserve.cache.state import StateCache
 from lmserve.layers.blocks import BlockWeight
 from lmserve.layers.call_list import THREADS, Arg, CallList, Slot, call_lists_available
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.fused import FusedOps, TorchOps
 from lmserve.layers.linear import ACT_TENSOR_DTYPES, BlockLinear, Weight, make_linear
-from lmserve.layers.rotary import RotaryEmbedding
+from lmserve.layers.rotary import RotaryEmbedding, partial_rotary_order
+from lmserve.layers.ssm import StateMeta
 from lmserve.models.args import ModelArgs
+from lmserve.models.mamba import MixerLayer
 
 
 @dataclass
@@ -36,6 +43,8 @@ class ForwardContext:
     layer_calls: Optional[LayerCalls] = None  # the layers as one C++ call, where they can be
     compiled: Optional[CompiledLayerOps] = None  # opt compile=1: the torch ops as compiled graphs
     windowed: tuple[bool, ...] = ()  # per layer: it attends within the step's sliding window
+    states: Optional[StateCache] = None  # the recurrent layers' state slots
+    state_meta: Optional[StateMeta] = None  # which slots this step's sequences read and write
 
 
 @dataclass
@@ -65,15 +74,22 @@ class LlamaLayer:
     """
 
     def __init__(self, args: ModelArgs, w: dict[str, Weight], prefix: str, fmt: str, act: str,
-                 mlp_act: str):
+                 mlp_act: str, kv_index: int):
+        """``kv_index``: this layer's place among the model's attention layers (its KV)."""
         def get(name: str) -> Weight:
             return w[prefix + name]
 
         attn = "self_attn."
+        q, k, v = (get(attn + f"{p}_proj.weight") for p in "qkv")
         qkv_bias = None
         if args.attention_bias:
             qkv_bias = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"])
-        self.qkv = make_linear([get(attn + f"{p}_proj.weight") for p in "qkv"], qkv_bias, fmt, act)
+        if args.rotary_dim is not None:  # partial rotary (dense weights: Hugging Face models)
+            order = partial_rotary_order(args.head_dim, args.rotary_dim)
+            q, k = (t.view(-1, args.head_dim, t.shape[1])[:, order].reshape(t.shape) for t in (q, k))
+            assert qkv_bias is None, "partial rotary with q/k biases"
+        self.kv_index = kv_index
+        self.qkv = make_linear([q, k, v], qkv_bias, fmt, act)
         # Llama configs with attention_bias=True also have an o_proj bias
         self.o = make_linear([get(attn + "o_proj.weight")], w.get(prefix + attn + "o_proj.bias"), fmt, act)
         self.gate_up = make_linear([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], None, fmt,
@@ -96,7 +112,7 @@ class LlamaLayer:
         else:
             qkv = self.qkv(ops.add_rms_norm(x, delta, self.norm1, self.eps, self.dtype))
         attn = ctx.backend.forward(
-            ctx.attn_meta, qkv, ctx.cos, ctx.sin, ctx.kv.k[layer], ctx.kv.v[layer],
+            ctx.attn_meta, qkv, ctx.cos, ctx.sin, ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index],
             windowed=bool(ctx.windowed) and ctx.windowed[layer],
         )  # (T, H * hd)
         if compiled is not None:
@@ -150,9 +166,13 @@ class LlamaModel:
         embed = weights["model.embed_tokens.weight"]
         dense_embed = embed.dequantize() if isinstance(embed, BlockWeight) else embed
         self.embed = dense_embed.to(self.dtype)  # (V, D), looked up by token id
-        self.layers = [
-            LlamaLayer(args, weights, f"model.layers.{i}.", weight_format, act_dtype,
-                       mlp_act_dtype or act_dtype)
+        mlp_act = mlp_act_dtype or act_dtype
+        attention, recurrent = args.attention_layers, args.ssm_layers
+        self.layers: list[Union[LlamaLayer, MixerLayer]] = [
+            MixerLayer(args, weights, f"model.layers.{i}.", weight_format, act_dtype, mlp_act,
+                       recurrent.index(i)) if i in recurrent else
+            LlamaLayer(args, weights, f"model.layers.{i}.", weight_format, act_dtype, mlp_act,
+                       attention.index(i))
             for i in range(args.num_layers)
         ]
         self.norm = weights["model.norm.weight"].float()
@@ -171,6 +191,8 @@ class LlamaModel:
         (the torch paths, dense weights, biases) or the call-list runner did not build.
         ``windowed``: per layer, it attends within the step's sliding window (which has
         ``sinks``)."""
+        if any(isinstance(layer, MixerLayer) for layer in self.layers):
+            return None
         linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if not (isinstance(ops, FusedOps) and isinstance(backend, CpuPagedBackend) and call_lists_available()
                 and all(isinstance(m, BlockLinear) and m.bias is None for m in linears)):
@@ -182,7 +204,8 @@ class LlamaModel:
 
     def rotary(self, max_positions: int, device: torch.device) -> RotaryEmbedding:
         a = self.args
-        return RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling, device)
+        return RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling, device,
+                               a.rotary_dim)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

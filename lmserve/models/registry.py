@@ -8,6 +8,10 @@ MODEL_CLASSES = {
     "llama": LlamaModel,
     "mistral": LlamaModel,
     "qwen2": LlamaModel,
+    # Llama-style blocks with a recurrent mixer for attention (some, in a hybrid)
+    "mamba": LlamaModel,
+    "mamba2": LlamaModel,
+    "bamba": LlamaModel,
 }
 
 

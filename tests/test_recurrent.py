@@ -1,0 +1,286 @@
+"""Recurrent-state models (Mamba, Mamba2, and Bamba, a hybrid of Mamba2 and attention layers):
+small random configs saved as Hugging Face directories, against transformers' own models."""
+
+import pytest
+import torch
+
+from conftest import churn_with_aborts, generate_tokens, run_concurrently, wait_idle
+from lmserve import AsyncEngine, Engine, SamplingParams
+from lmserve.cache.snapshots import StateSnapshots
+from lmserve.cache.state import StateSlots
+from lmserve.cache.state_manager import StateManager
+from lmserve.config import EngineConfig
+from lmserve.models.loader import read_model_args
+from lmserve.plan import make_plan
+from lmserve.request import Request, Sequence
+from lmserve.spec.tree import DraftTree
+from test_reference import assert_matches_transformers, hf_greedy_uncached
+from tiny_models import make_hf_llama, make_hf_recurrent, random_recurrent_model
+
+ARCHS = ["mamba", "mamba2", "bamba"]
+CHUNK = 16  # the prefill chunk of the engines here: prompts shorter and longer than it
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values`")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    return {arch: make_hf_recurrent(str(tmp_path_factory.mktemp(arch)), arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def hf_models() -> dict[str, torch.nn.Module]:
+    return {arch: random_recurrent_model(arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def engines(model_dirs):
+    engines = {arch: Engine(model=d, opt="O0", max_num_sequence=4, prefill_chunk_size=CHUNK,
+                            verbose=False) for arch, d in model_dirs.items()}
+    yield engines
+    for engine in engines.values():
+        engine.shutdown()
+
+
+def reference(hf_model, prompt: list[int], n: int = GREEDY.max_tokens) -> list[int]:
+    return hf_greedy_uncached(hf_model, prompt, n)[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.inference_mode()
+def test_greedy_tokens_and_logprobs_match_transformers(arch, engines, hf_models):
+    """Prompts within one chunk and over three (scanned chunk by chunk, the state carried)."""
+    for prompt in (list(range(100, 110)), list(range(500, 550))):
+        assert_matches_transformers(engines[arch], hf_models[arch], prompt, 16, hf_greedy_uncached)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "bamba"])
+@torch.inference_mode()
+def test_batch_company_staggered_arrivals_and_n_choices(arch, engines, hf_models):
+    prompts = [list(range(1000 + 40 * i, 1000 + 40 * i + n)) for i, n in enumerate((5, 23, 40, 12, 31))]
+    expected = [reference(hf_models[arch], p) for p in prompts]
+    engine = engines[arch]
+    assert run_concurrently(engine, prompts, GREEDY, delays=[0, 0.02, 0.05, 0.1, 0.12]) == expected
+    outputs = engine.generate(prompts[2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2))
+    choices = {i: [] for i in range(2)}
+    for out in outputs:
+        for d in out.deltas:
+            choices[d.index] += d.token_ids
+    assert choices == {0: expected[2], 1: expected[2]}
+    wait_idle(engine)
+    assert engine.state_slots_in_use() == 0 and engine.kv_pages_in_use() == 0
+
+
+@torch.inference_mode()
+def test_hybrid_preemption_recomputes_state(model_dirs, hf_models):
+    """Bamba's attention layers run out of KV pages: sequences are preempted, their state slots
+    freed, and they are recomputed from the prompt with the same output."""
+    prompts = [list(range(2000 + 50 * i, 2030 + 50 * i)) for i in range(4)]
+    expected = [reference(hf_models["bamba"], p, 20) for p in prompts]
+    engine = Engine(model=model_dirs["bamba"], opt="O0", max_num_sequence=4, prefill_chunk_size=CHUNK,
+                    kv_cache_page_size=8, max_total_sequence_length=96, prefix_cache_mode="disable",
+                    verbose=False)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        assert run_concurrently(engine, prompts, params) == expected
+        assert engine._core.scheduler.num_preemptions > 0
+        wait_idle(engine)
+        assert engine.state_slots_in_use() == 0 and engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
+class WrongAtDepth:
+    """A drafter that drafts ``k`` tokens of the known greedy continuation ``expected`` with the
+    one at depth ``step % (k + 1)`` wrong (none when that is k): every number of accepted drafts
+    in turn, so each history slot is rolled back to."""
+
+    def __init__(self, prompt_len: int, expected: list[int], k: int) -> None:
+        self.prompt_len, self.expected, self.k, self.steps = prompt_len, expected, k, 0
+
+    def offer(self, seq, cap: int) -> int:
+        return min(cap, self.k)
+
+    def num_nodes(self, seq, depth: int) -> int:
+        return depth
+
+    def propose(self, batch, depths) -> None:
+        for c, depth in depths.items():
+            done = len(c.seq.token_ids) - self.prompt_len
+            draft = (self.expected[done : done + min(depth, c.num_lookahead)] + [0] * depth)[:depth]
+            wrong = self.steps % (self.k + 1)
+            if wrong < len(draft):
+                draft[wrong] = (draft[wrong] + 1) % 1000
+            c.draft = DraftTree.chain(draft)
+            self.steps += 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.inference_mode()
+def test_speculation_rolls_the_state_back_to_each_depth(arch, model_dirs, hf_models):
+    """Rejected drafts are undone by restoring the state after the last accepted token (from
+    the history slots): greedy output equals transformers' at every acceptance length."""
+    prompt = list(range(3000, 3020))
+    expected = reference(hf_models[arch], prompt, 24)
+    engine = Engine(model=model_dirs[arch], opt="O0", max_num_sequence=2, prefill_chunk_size=CHUNK,
+                    speculative_mode="ngram", spec_draft_length=3, verbose=False)
+    try:
+        engine._core.speculator.drafter = WrongAtDepth(len(prompt), expected, 3)
+        assert generate_tokens(engine, prompt, SamplingParams(temperature=0, max_tokens=24,
+                                                              ignore_eos=True)) == expected
+        stats = engine.stats()
+        assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+        assert all(n > 0 for n in stats.spec_accepted_per_pos)  # every depth was accepted at times
+    finally:
+        engine.shutdown()
+
+
+@torch.inference_mode()
+def test_ngram_speculation_on_mamba2_keeps_greedy_output(model_dirs, hf_models):
+    P = list(range(300, 312))
+    R = reference(hf_models["mamba2"], P, 20)
+    prompt = P + R + P + R[:3]  # a repeat: the n-gram lookup drafts the rest of R
+    expected = reference(hf_models["mamba2"], prompt, 24)
+    engine = Engine(model=model_dirs["mamba2"], opt="O0", max_num_sequence=2, prefill_chunk_size=CHUNK,
+                    speculative_mode="ngram", spec_draft_length=3, verbose=False)
+    try:
+        assert generate_tokens(engine, prompt, SamplingParams(temperature=0, max_tokens=24,
+                                                              ignore_eos=True)) == expected
+        assert engine.stats().spec_num_draft_tokens > 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "bamba"])
+@torch.inference_mode()
+def test_second_chat_turn_scans_only_the_new_tokens(arch, model_dirs, hf_models):
+    """A finished sequence leaves its state as a snapshot (a hybrid's where its KV pages end
+    too: page-aligned); the next turn, which repeats the conversation so far, starts from it."""
+    engine = Engine(model=model_dirs[arch], opt="O0", max_num_sequence=2, prefill_chunk_size=64,
+                    kv_cache_page_size=8, verbose=False)
+    try:
+        first = list(range(4000, 4030))
+        # 30 prompt + 11 output tokens: 40 computed (the last sampled token is not), 5 pages
+        reply = generate_tokens(engine, first, SamplingParams(temperature=0, max_tokens=11,
+                                                              ignore_eos=True))
+        second = first + reply + list(range(4100, 4107))
+        before = engine.stats()
+        assert generate_tokens(engine, second, GREEDY) == reference(hf_models[arch], second)
+        after = engine.stats()
+        assert after.prefill_tokens - before.prefill_tokens == len(second) - 40
+        assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 40
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "bamba"])
+@torch.inference_mode()
+def test_a_shared_long_prefix_resumes_at_the_last_chunk_boundary(arch, engines, hf_models):
+    engine = engines[arch]
+    shared = list(range(6000, 6040))  # chunks of 16 end at 16 and 32: snapshots there
+    generate_tokens(engine, shared + [1, 2, 3], GREEDY)
+    before = engine.stats()
+    prompt = shared + [7, 8, 9, 10]
+    assert generate_tokens(engine, prompt, GREEDY) == reference(hf_models[arch], prompt)
+    assert engine.stats().prefill_tokens - before.prefill_tokens == len(prompt) - 32
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "bamba"])
+def test_no_slot_or_page_leaks_after_many_finished_and_aborted_requests(arch, model_dirs):
+    engine = AsyncEngine(model_dirs[arch], opt="O0", max_num_sequence=16, prefill_chunk_size=64,
+                         kv_cache_page_size=8, verbose=False)
+    try:
+        churn_with_aborts(engine, 200)
+        assert engine.state_slots_in_use() == 0
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
+# -- the plan and refusals ----------------------------------------------------------------------
+
+def test_plan_sizes_state_slots_and_shows_them(model_dirs):
+    args = read_model_args(model_dirs["mamba2"])
+    plan = make_plan(EngineConfig(max_num_sequence=6, speculative_mode="ngram", spec_draft_length=3),
+                     args, device_memory=8 << 30)
+    state = plan.state
+    assert (state.max_num_sequence, state.history, state.snapshots) == (6, 3, 6)
+    # 2 layers x (conv: (128 + 2 * 2 * 16) channels x 3 taps + scan: 8 heads x 16 x 16) float32
+    assert state.bytes_per_slot == 2 * ((128 + 64) * 3 + 8 * 16 * 16) * 4
+    assert state.num_slots == 6 * 4 + 6 and plan.memory.state == state.num_slots * state.bytes_per_slot
+    assert plan.num_pages == 0 and plan.memory.kv == 0
+    assert "recurrent_state" in plan.describe() and "6 sequences x (1 + 3 history)" in plan.describe()
+    # Server mode sizes the batch from memory: with room for 10 sequences' slots (each its state
+    # and a snapshot), 10 sequences.
+    server = EngineConfig(mode="server", gpu_memory_utilization=1.0)
+    m = make_plan(server, args, device_memory=8 << 30).memory
+    fixed, per_sequence = m.weights + m.workspace + m.margin, 2 * state.bytes_per_slot
+    small = make_plan(server, args, device_memory=fixed + 10 * per_sequence + per_sequence // 2)
+    assert small.max_num_sequence == 10 and small.memory.total <= small.memory.budget
+    # A pure recurrent model has no positions: a sequence may be longer than the default context.
+    assert make_plan(EngineConfig(max_single_sequence_length=32768), args).max_single_sequence_length == 32768
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(kv_state_kind="kv_cache"), "kv_state_kind='kv_cache', but model architecture 'mamba2' has recurrent"),
+    (dict(speculative_mode="ngram", spec_draft_length=4, max_history_size=2),
+     "max_history_size=2 is less than the deepest draft (4 tokens)"),
+    (dict(speculative_mode="ngram", spec_tree_width=2), "draft trees are not supported"),
+    (dict(sliding_window_size=64), "sliding_window_size is not supported"),
+])
+def test_recurrent_refusals(model_dirs, config, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_plan(EngineConfig(**config), read_model_args(model_dirs["mamba2"]))
+
+
+def test_attention_model_refuses_recurrent_settings(tmp_path):
+    args = read_model_args(make_hf_llama(str(tmp_path / "llama")))
+    with pytest.raises(ValueError, match="max_history_size=2 applies to recurrent-state models"):
+        make_plan(EngineConfig(max_history_size=2), args)
+    with pytest.raises(ValueError, match="kv_state_kind='rnn_state', but model architecture 'llama'"):
+        make_plan(EngineConfig(kv_state_kind="rnn_state"), args)
+    with pytest.raises(ValueError, match="max_history_size must be"):
+        EngineConfig(max_history_size=-1)
+
+
+# -- the state manager and snapshots, exactly ----------------------------------------------------
+
+def _seq(tokens: list[int]) -> Sequence:
+    return Sequence(Request("r", list(tokens), SamplingParams()), 0, list(tokens), None)
+
+
+def test_snapshots_match_the_longest_prefix_and_evict_the_least_recent():
+    snaps = StateSnapshots(capacity=2)
+    assert snaps.insert([1, 2, 3, 4], 10) == [] and snaps.insert([1, 2], 11) == []
+    assert snaps.match([1, 2, 3, 4, 5]) == (4, 10)
+    assert snaps.match([1, 2, 3, 4, 5], multiple=2) == (4, 10)
+    assert snaps.match([1, 2, 3, 4, 5], multiple=3) == (0, -1)
+    assert snaps.match([1, 2, 9]) == (2, 11)  # now the most recent
+    assert snaps.insert([1, 2], 12) == [12]  # already held
+    assert snaps.insert([7], 13) == [10]  # over capacity: [1, 2, 3, 4] was least recent
+    assert snaps.match([1, 2, 3, 4]) == (2, 11)
+
+
+def test_state_manager_slots_rollback_and_snapshots():
+    slots = StateSlots(2 * 3 + 1)
+    states = StateManager(slots, history=2, snapshots=StateSnapshots(1), snapshot_every=4)
+    a = _seq(list(range(10)))
+    states.ensure(a)
+    assert (a.state_slot, a.history_slots) == (0, [1, 2])
+    a.num_computed = 4
+    states.at_boundary(a)  # a snapshot of the state after 4 tokens, in the free slot
+    assert states.take_copies() == [(0, 3)] and slots.num_free == 3
+    a.num_computed = 6  # a step ran 3 tokens from 5 and kept 1 (both drafts rejected)
+    states.keep(a, start=5, ran=3)
+    a.num_computed = 8  # ... then all 3 from 5 (nothing to restore), then 2 of 3 from 6
+    states.keep(a, start=5, ran=3)
+    states.keep(a, start=6, ran=3)
+    assert states.take_copies() == [(1, 0), (2, 0)]
+    b = _seq(list(range(4)) + [99, 98])
+    assert states.match(b, limit=5) == 4 and b.state_slot == 4
+    assert states.take_copies() == [(3, 4)]
+    states.free(a, snapshot=True)  # its state replaces the older snapshot (capacity 1)
+    assert states.snapshots.match(list(range(10))) == (8, 0)
+    assert states.held_by_sequences() == 3 and slots.num_free == 3
+    states.free(b, snapshot=False)
+    assert states.held_by_sequences() == 0
