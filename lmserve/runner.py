@@ -12,6 +12,7 @@ from lmserve.attention.window import AttentionWindow
 from lmserve.cache.kv import KVCache
 from lmserve.cache.state import StateCache
 from lmserve.layers.ssm import StateMeta, StateRun
+from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.models.llama import ForwardContext
 from lmserve.step import StepInput
@@ -24,9 +25,11 @@ class ModelRunner:
                  device: torch.device, compiled: Optional[CompiledLayerOps] = None,
                  window: Optional[AttentionWindow] = None,
                  window_layers: Optional[tuple[int, ...]] = None,
-                 states: Optional[StateCache] = None) -> None:
+                 states: Optional[StateCache] = None,
+                 ssm_kernels: Optional[SSMKernels] = None) -> None:
         """``ops``: the element-wise layer ops (``layers.fused.TorchOps`` or ``FusedOps``);
-        ``states``: the recurrent layers' state slots (Mamba-family models), or None;
+        ``states``: the recurrent layers' state slots (Mamba-family models), or None, and
+        ``ssm_kernels`` their C++ decode kernels (or None: the torch path);
         ``compiled``: the layers' torch ops as compiled graphs (opt compile=1), or None;
         ``window``: the sliding window of ``window_layers`` (None: every layer), or None;
         ``max_positions``: the rotary table's (later positions are computed when met)."""
@@ -38,6 +41,7 @@ class ModelRunner:
         self.device = device
         self.window = window
         self.states = states
+        self.ssm_kernels = ssm_kernels
         num_layers = model.args.num_layers
         layers = range(num_layers) if window_layers is None else window_layers
         self.windowed = tuple(window is not None and i in layers for i in range(num_layers))
@@ -92,6 +96,7 @@ class ModelRunner:
             windowed=self.windowed,
             states=self.states,
             state_meta=state_meta,
+            ssm_kernels=self.ssm_kernels,
         )
         hidden = self.model.forward(torch.tensor(input_ids, device=self.device), ctx)  # (T, D)
         if not rows:

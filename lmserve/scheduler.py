@@ -245,6 +245,8 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_sequence:
             seq = self.waiting[0]
+            if not self.kv.ready(seq):
+                break  # a later choice waits for the first's state (first come, first served)
             reused = self.kv.match_prefix(seq)
             n = self.kv.chunk_limit(seq, min(seq.num_pending, budget))
             if not self.kv.allocate(seq, n):

@@ -17,6 +17,7 @@ from lmserve.cache.state import StateCache
 from lmserve.config import OptFlags
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.fused import FusedOps, TorchOps
+from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.layers.linear import FLOAT_DTYPES, resolve_act_dtype, resolve_weight_format
 from lmserve.models.args import ModelArgs
 from lmserve.models.loader import load_weights
@@ -58,5 +59,7 @@ def build_worker(model_path: str, args: ModelArgs, plan: EnginePlan, opt: OptFla
     compiled = CompiledLayerOps() if opt.compile else None  # parse_opt allows it on dense weights only
     # Positions past the context (streaming under a window) are computed as they come.
     positions = min(plan.max_single_sequence_length, args.context_length)
+    # The C++ path has the recurrent layers' decode kernels too.
+    ssm_kernels = SSMKernels.create() if states is not None and isinstance(ops, FusedOps) else None
     return ModelRunner(model, kv, backend, ops, positions, device, compiled, plan.window,
-                       plan.window_layers, states)
+                       plan.window_layers, states, ssm_kernels)

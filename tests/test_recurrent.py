@@ -9,6 +9,7 @@ from lmserve import AsyncEngine, Engine, SamplingParams
 from lmserve.cache.snapshots import StateSnapshots
 from lmserve.cache.state import StateSlots
 from lmserve.cache.state_manager import StateManager
+from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.config import EngineConfig
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
@@ -69,6 +70,28 @@ def test_batch_company_staggered_arrivals_and_n_choices(arch, engines, hf_models
     assert choices == {0: expected[2], 1: expected[2]}
     wait_idle(engine)
     assert engine.state_slots_in_use() == 0 and engine.kv_pages_in_use() == 0
+
+
+@pytest.mark.skipif(SSMKernels.create() is None, reason="the C++ kernels cannot be built here")
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.inference_mode()
+def test_cpp_decode_kernels_match_the_torch_path(arch, model_dirs, engines):
+    """The C++ path (attention=cpu_paged) updates decode states in place with the kernels: the
+    same tokens and log-probs as the torch reference, in batch company."""
+    prompts = [list(range(7000 + 50 * i, 7000 + 50 * i + n)) for i, n in enumerate((9, 33, 20))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    engine = Engine(model=model_dirs[arch], opt="O0;attention=cpu_paged", max_num_sequence=4,
+                    prefill_chunk_size=CHUNK, verbose=False)
+    try:
+        assert engine._core.runner.ssm_kernels is not None
+        fast = run_concurrently(engine, prompts, params)
+        fast_lps = [lp for o in engine.generate(prompts[1], params) for d in o.deltas for lp in d.logprobs]
+    finally:
+        engine.shutdown()
+    reference = [[lp for o in engines[arch].generate(p, params) for d in o.deltas for lp in d.logprobs]
+                 for p in prompts]
+    assert fast == [[lp.token_id for lp in lps] for lps in reference]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(fast_lps, reference[1])) < 1e-4
 
 
 @torch.inference_mode()
@@ -171,6 +194,31 @@ def test_second_chat_turn_scans_only_the_new_tokens(arch, model_dirs, hf_models)
         assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 40
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "bamba"])
+@torch.inference_mode()
+def test_n_choices_fork_from_the_first_choice_state(arch, model_dirs):
+    """The later choices copy the first's state after the prompt but its last token (a hybrid's
+    at its last whole page) and scan only the rest; seeded choices are what they are unforked."""
+    prompt = list(range(8000, 8029))  # fork at 28 tokens (Mamba2), at 24 (Bamba, pages of 8)
+    fork = 28 if arch == "mamba2" else 24
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=10, n=3, ignore_eos=True)
+    choices = []
+    for cache in ("radix", "disable"):
+        engine = Engine(model=model_dirs[arch], opt="O0", max_num_sequence=4, prefill_chunk_size=64,
+                        kv_cache_page_size=8, prefix_cache_mode=cache, verbose=False)
+        try:
+            by_index = {i: [] for i in range(3)}
+            for out in engine.generate(prompt, params):
+                for d in out.deltas:
+                    by_index[d.index] += d.token_ids
+            choices.append(by_index)
+            scanned = len(prompt) + 2 * (len(prompt) - fork) if cache == "radix" else 3 * len(prompt)
+            assert engine.stats().prefill_tokens == scanned
+        finally:
+            engine.shutdown()
+    assert choices[0] == choices[1] and len({tuple(c) for c in choices[0].values()}) > 1
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "bamba"])
@@ -284,3 +332,26 @@ def test_state_manager_slots_rollback_and_snapshots():
     assert states.held_by_sequences() == 3 and slots.num_free == 3
     states.free(b, snapshot=False)
     assert states.held_by_sequences() == 0
+
+
+def test_prompt_chunks_end_at_snapshot_points_and_choices_wait_for_the_fork():
+    states = StateManager(StateSlots(20), history=0, snapshots=StateSnapshots(4), snapshot_every=16,
+                          align=8)
+    request = Request("r", list(range(30)), SamplingParams(n=2))
+    first, second = (Sequence(request, i, list(range(30)), None) for i in range(2))
+    request.seqs = [first, second]
+    # Chunks stop at the fork point (29 prompt tokens but the last, down to whole pages of 8 =
+    # 24; only the first choice stops there), and at multiples of 16 unless they end the prompt.
+    assert states.fork_point(first) == 24
+    assert states.chunk_end(first, 30) == 16 and states.chunk_end(second, 30) == 30
+    assert states.chunk_end(second, 20) == 16
+    first.num_computed = second.num_computed = 16
+    assert states.chunk_end(first, 14) == 8 and states.chunk_end(second, 14) == 14
+    assert states.chunk_end(first, 5) == 5  # before the fork point: nothing to cut
+    second.num_computed = 0
+    assert not states.ready(second) and states.ready(first)
+    states.ensure(first)
+    first.num_computed = 24
+    states.at_boundary(first)  # the fork point's snapshot, which the second choice starts from
+    assert states.ready(second)
+    assert states.match(second, 29) == 24 and len(states.take_copies()) == 2

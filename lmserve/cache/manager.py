@@ -120,13 +120,14 @@ class KVCacheManager:
             self.states.at_boundary(seq)
 
     def chunk_limit(self, seq: Sequence, num_tokens: int) -> int:
-        """``num_tokens`` of ``seq``'s pending prompt, cut at the next snapshot position (a
-        recurrent model's prefix cache can only keep states where a step ended)."""
-        every = self.states.snapshot_every if self.states and self.states.snapshots else 0
-        start = seq.num_computed
-        if not every or start + num_tokens >= len(seq.token_ids):
-            return num_tokens
-        return min(num_tokens, (start // every + 1) * every - start)
+        """``num_tokens`` of ``seq``'s pending prompt, cut where a recurrent model keeps a state
+        snapshot (``StateManager.chunk_end``)."""
+        return self.states.chunk_end(seq, num_tokens) if self.states is not None else num_tokens
+
+    def ready(self, seq: Sequence) -> bool:
+        """Whether a waiting ``seq`` may be admitted now (``StateManager.ready``: the later
+        choices of a request wait for the first's state to fork from)."""
+        return self.states is None or self.states.ready(seq)
 
     def rollback(self, seq: Sequence) -> None:
         """Release the pages past the sequence's verified tokens (those reserved for drafts

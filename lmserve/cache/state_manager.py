@@ -6,6 +6,10 @@ then one per draft position of a step, for rollback) and gives them back when it
 tensors live in the worker (``cache.state.StateCache``); what this side decides that moves data
 (restore a snapshot, take one, roll back to a history slot) is queued as slot copies, which the
 next step makes before it runs (``StepInput.state_copies``).
+
+The ``n`` choices of one request fork: the first runs the prompt but its last token and leaves a
+snapshot there; the others wait for it, copy that state and run only the last token (in a
+hybrid, from the last whole page: its KV pages are shared up to there).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Optional
 
 from lmserve.cache.snapshots import StateSnapshots
 from lmserve.cache.state import StateSlots
-from lmserve.request import Sequence
+from lmserve.request import Sequence, SeqStatus
 
 
 class StateManager:
@@ -49,11 +53,45 @@ class StateManager:
             self.copies.append((slot, seq.state_slot))
         return n
 
+    def fork_point(self, seq: Sequence) -> int:
+        """Where the choices of a request with ``n > 1`` part: the first choice's state is kept
+        after its prompt but the last token (at whole pages, in a hybrid) and the others start
+        from it. 0: no fork (one choice, or no snapshots)."""
+        if self.snapshots is None or seq.request.params.n == 1:
+            return 0
+        return (seq.num_prompt_tokens - 1) // self.align * self.align
+
+    def chunk_end(self, seq: Sequence, num_tokens: int) -> int:
+        """``num_tokens`` of ``seq``'s pending prompt, cut where a snapshot is to be taken (a
+        first choice's fork point; the next multiple of ``snapshot_every``, unless the chunk
+        ends the prompt): a state can only be kept where a step ended."""
+        start = seq.num_computed
+        end = start + num_tokens
+        if self.snapshots is None:
+            return num_tokens
+        fork = self.fork_point(seq)
+        if seq.index == 0 and start < fork < end:
+            end = fork
+        if self.snapshot_every and end < len(seq.token_ids):
+            end = min(end, (start // self.snapshot_every + 1) * self.snapshot_every)
+        return end - start
+
+    def ready(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may be admitted: a later choice of a forking request waits until the
+        first has passed the fork point (or finished), so that it starts from its snapshot."""
+        fork = self.fork_point(seq)
+        if not fork or seq.index == 0:
+            return True
+        first = seq.request.seqs[0]
+        return first.status is SeqStatus.FINISHED or first.num_computed >= fork
+
     def at_boundary(self, seq: Sequence) -> None:
         """After a prompt chunk: snapshot the state if the chunk ended at a snapshot position."""
         n = seq.num_computed
-        if (self.snapshots is None or not self.snapshot_every or n % self.snapshot_every
-                or n % self.align or self.snapshots.holds(seq.token_ids[:n])):
+        wanted = (self.snapshot_every and n % self.snapshot_every == 0) or (
+            seq.index == 0 and n == self.fork_point(seq))
+        if not (n and wanted) or self.snapshots is None or n % self.align \
+                or self.snapshots.holds(seq.token_ids[:n]):
             return
         slot = self._take(1)[0]
         self.copies.append((seq.state_slot, slot))

@@ -6,7 +6,8 @@ convolved and scanned from its slot's state (zeros at position 0) and the new st
 so a prompt scanned chunk by chunk ends where one pass would. Mamba2 prompt chunks use the
 chunked (SSD) form; single decode tokens of many sequences are one batched update; a run with
 history slots (a step with draft tokens) goes token by token and keeps every intermediate state.
-Where the C++ kernels are built (``lmserve.kernels``), decode goes through them instead.
+On the C++ path (``ssm_kernels``), single decode tokens go through kernels that update the
+states in place in their slots.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from lmserve.layers.linear import Weight, make_linear
+from lmserve.layers.linear import ACT_TENSOR_DTYPES, Weight, make_linear
+from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.models.args import SSMArgs
 
 
@@ -44,8 +46,11 @@ class StateMeta:
     single_slots: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
-        self.singles = [r for r in self.runs if r.length == 1 and not r.fresh and not r.history]
-        self.others = [r for r in self.runs if r not in self.singles and r.length]
+        for r in self.runs:
+            if r.length == 1 and not r.fresh and not r.history:
+                self.singles.append(r)
+            elif r.length:
+                self.others.append(r)
         self.single_rows = torch.tensor([r.offset for r in self.singles], dtype=torch.long)
         self.single_slots = torch.tensor([r.slot for r in self.singles], dtype=torch.long)
 
@@ -77,13 +82,13 @@ class MambaMixer:
             self.dt_bias = get("dt_bias").float()
             self.norm = get("norm.weight").float()
         self.eps = norm_eps
-        self.dtype = torch.float32 if act == "float32" else self.in_proj.dtype if hasattr(
-            self.in_proj, "dtype") else torch.float32
+        self.dtype = ACT_TENSOR_DTYPES[act]  # into out_proj
 
-    def __call__(self, h: torch.Tensor, meta: StateMeta, conv: torch.Tensor,
-                 ssm: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, meta: StateMeta, conv: torch.Tensor, ssm: torch.Tensor,
+                 kernels: Optional[SSMKernels] = None) -> torch.Tensor:
         """The mixer's output ``(T, D)`` for the normed input ``h`` ``(T, D)``; reads and writes
-        the runs' slots of this layer's ``conv`` and ``ssm`` state."""
+        the runs' slots of this layer's ``conv`` and ``ssm`` state (single decode tokens
+        through the C++ ``kernels`` where given)."""
         s = self.ssm
         proj = self.in_proj(h).float()  # (T, E)
         if s.version == 1:
@@ -94,8 +99,13 @@ class MambaMixer:
         y = torch.empty(h.shape[0], s.inner)  # the scan's output (before D and the gate)
         if meta.singles:
             rows, slots = meta.single_rows, meta.single_slots
-            u[rows] = self._conv_step(x[rows], conv, slots)
-            y[rows] = self._scan_step(u[rows], None if s.version == 1 else dt[rows], ssm, slots)
+            if kernels is not None:
+                u[rows] = kernels.conv_step(x[rows], conv, slots, self.conv_weight, self.conv_bias)
+                y[rows] = self._kernel_scan_step(kernels, u[rows], None if s.version == 1 else dt[rows],
+                                                 ssm, slots)
+            else:
+                u[rows] = self._conv_step(x[rows], conv, slots)
+                y[rows] = self._scan_step(u[rows], None if s.version == 1 else dt[rows], ssm, slots)
         for r in meta.others:
             rows = slice(r.offset, r.offset + r.length)
             u[rows] = self._conv_run(x[rows], conv, r)
@@ -162,6 +172,15 @@ class MambaMixer:
         y = self._update(state, *self._scan_inputs(u, dt))
         ssm[slots] = state
         return y
+
+    def _kernel_scan_step(self, kernels: SSMKernels, u: torch.Tensor, dt: Optional[torch.Tensor],
+                          ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        s = self.ssm
+        if s.version == 2:
+            return kernels.scan_step_v2(ssm, slots, u, dt, self.dt_bias, self.A, s)
+        dt_low, bc = (u @ self.x_proj.t()).split([s.dt_rank, 2 * s.state_size], -1)
+        dt = F.softplus(dt_low @ self.dt_proj.t() + self.dt_bias)
+        return kernels.scan_step_v1(ssm, slots, u, dt, self.A, bc)
 
     def _scan_run(self, u: torch.Tensor, dt: Optional[torch.Tensor], ssm: torch.Tensor,
                   r: StateRun) -> torch.Tensor:

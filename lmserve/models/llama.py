@@ -26,6 +26,7 @@ from lmserve.layers.fused import FusedOps, TorchOps
 from lmserve.layers.linear import ACT_TENSOR_DTYPES, BlockLinear, Weight, make_linear
 from lmserve.layers.rotary import RotaryEmbedding, partial_rotary_order
 from lmserve.layers.ssm import StateMeta
+from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.models.args import ModelArgs
 from lmserve.models.mamba import MixerLayer
 
@@ -45,6 +46,7 @@ class ForwardContext:
     windowed: tuple[bool, ...] = ()  # per layer: it attends within the step's sliding window
     states: Optional[StateCache] = None  # the recurrent layers' state slots
     state_meta: Optional[StateMeta] = None  # which slots this step's sequences read and write
+    ssm_kernels: Optional[SSMKernels] = None  # the recurrent layers' C++ decode kernels
 
 
 @dataclass

@@ -39,7 +39,7 @@ class MixerLayer:
         block, return its last sublayer's output."""
         ops, i = ctx.ops, self.state_index
         h = ops.add_rms_norm(x, delta, self.norm1, self.eps, self.dtype)
-        out = self.mixer(h, ctx.state_meta, ctx.states.conv[i], ctx.states.ssm[i])
+        out = self.mixer(h, ctx.state_meta, ctx.states.conv[i], ctx.states.ssm[i], ctx.ssm_kernels)
         if not self.has_mlp:
             return out
         h = ops.add_rms_norm(x, out, self.norm2, self.eps, self.mlp_dtype)
