@@ -23,7 +23,7 @@ from lmserve.cache.kv import kv_bytes_per_head
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.models.args import ModelArgs
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K
-from lmserve.state_plan import StatePlan, plan_state
+from lmserve.state_plan import StatePlan, batch_that_fits, plan_state
 
 DEFAULT_MODE = "local"
 DEFAULT_MEMORY_UTILIZATION = 0.85
@@ -181,10 +181,11 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         room = budget - weights - workspace - margin
         held = pages_per_sequence(single, chunk)
         if args.ssm_layers and config.max_num_sequence is None:
-            # As many sequences as their state slots (and a hybrid's KV) fit, as MLC LLM sizes
-            # its RNN-state models.
-            per_sequence = plan_state(config, args, 1).bytes + held * page * kv_per_token
-            batch = max(1, min(batch, room // per_sequence))
+            # As many sequences as their state slots fit, as MLC LLM sizes its RNN-state models
+            # (a hybrid's KV pages are shared on demand, as an attention model's).
+            batch = batch_that_fits(config, args, room, batch)
+            workspace = step_workspace(batch, chunk, single)
+            room = budget - weights - workspace - margin
         if args.ssm_layers:
             room -= plan_state(config, args, batch).bytes
         # Whole pages only; more KV than every sequence at full length could never be used.
@@ -319,7 +320,7 @@ def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per
     qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
     activations = 2 * tokens * (4 * args.hidden_size + qkv + 2 * args.intermediate_size) * 4
     logits = 4 * (logit_rows or batch) * args.vocab_size * 4
-    per_layer_kv = kv_per_token // args.num_layers  # keys and values of one token, one layer
+    per_layer_kv = kv_per_token // max(1, len(args.attention_layers))  # one token, one layer
     gather = 3 * batch * single * per_layer_kv if gathers_kv else 0  # pages + float32 copy
     scores = 3 * args.num_heads * tokens * window_keys * 4 if gathers_kv else 0
     return activations + logits + gather + scores + _mixer_workspace(args, batch, tokens)

@@ -145,14 +145,14 @@ class Scheduler:
         """The step's batch, with the state copies decided since the last one; None if empty."""
         return Batch(chunks, self.kv.take_state_copies()) if chunks else None
 
-    def finish(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out of the queues, offer its KV to the prefix
-        cache, and free its pages."""
+    def finish(self, seq: Sequence, recycle: bool = True) -> None:
+        """Take a finished or aborted sequence out of the queues, offer its KV (and recurrent
+        state) to the prefix cache unless not ``recycle``, and free its pages."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
-        self.kv.free(seq, recycle=True)
+        self.kv.free(seq, recycle=recycle)
         seq.status = SeqStatus.FINISHED
 
     def update(self, batch: Batch) -> None:

@@ -83,9 +83,27 @@ def plan_state(config: EngineConfig, args: ModelArgs, batch: int) -> Optional[St
         raise ValueError(f"max_history_size={history} is less than the deepest draft ({deepest} "
                          f"tokens): rejected drafts could not be rolled back; raise it or lower "
                          f"spec_draft_length")
+    fixed, per_sequence = _snapshots(config)
+    return StatePlan(batch, history, fixed + per_sequence * batch,
+                     state_bytes_per_slot(args.ssm, len(args.ssm_layers)))
+
+
+def batch_that_fits(config: EngineConfig, args: ModelArgs, room: int, most: int) -> int:
+    """Server mode: as many sequences (at least 1, at most ``most``) as their state slots fit
+    in ``room`` bytes, with the snapshots: a fixed number of them first, or their share of each
+    sequence."""
+    one = plan_state(config, args, 1)
+    fixed, per_sequence = _snapshots(config)
+    each = (1 + one.history + per_sequence) * one.bytes_per_slot
+    return max(1, min(most, (room - fixed * one.bytes_per_slot) // each))
+
+
+def _snapshots(config: EngineConfig) -> tuple[int, int]:
+    """Prefix-cache snapshots: (a fixed number, a number per sequence), from
+    ``prefix_cache_max_num_recycling_seqs`` (None: one per sequence; -1, unbounded: four)."""
     recycling = config.prefix_cache_max_num_recycling_seqs
     if config.prefix_cache_mode == "disable" or recycling == 0:
-        snapshots = 0
-    else:
-        snapshots = batch if recycling is None else 4 * batch if recycling == -1 else recycling
-    return StatePlan(batch, history, snapshots, state_bytes_per_slot(args.ssm, len(args.ssm_layers)))
+        return 0, 0
+    if recycling is None or recycling == -1:
+        return 0, 1 if recycling is None else 4
+    return recycling, 0

@@ -1,6 +1,8 @@
 """Recurrent-state models (Mamba, Mamba2, and Bamba, a hybrid of Mamba2 and attention layers):
 small random configs saved as Hugging Face directories, against transformers' own models."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,10 +13,12 @@ from lmserve.cache.state import StateSlots
 from lmserve.cache.state_manager import StateManager
 from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.config import EngineConfig
+from lmserve.models.builtin import builtin_model_path
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
 from lmserve.request import Request, Sequence
 from lmserve.spec.tree import DraftTree
+from lmserve.tokenizer import Tokenizer
 from test_reference import assert_matches_transformers, hf_greedy_uncached
 from tiny_models import make_hf_llama, make_hf_recurrent, random_recurrent_model
 
@@ -53,6 +57,19 @@ def test_greedy_tokens_and_logprobs_match_transformers(arch, engines, hf_models)
     """Prompts within one chunk and over three (scanned chunk by chunk, the state carried)."""
     for prompt in (list(range(100, 110)), list(range(500, 550))):
         assert_matches_transformers(engines[arch], hf_models[arch], prompt, 16, hf_greedy_uncached)
+
+
+@torch.inference_mode()
+def test_partial_rotary_with_attention_biases(tmp_path):
+    """Bamba rotates half of each head: q/k rows (and their biases) are reordered at load."""
+    hf = random_recurrent_model("bamba", seed=3, attention_bias=True)
+    hf.save_pretrained(tmp_path)
+    Tokenizer.from_model(builtin_model_path()).hf.save_pretrained(tmp_path)
+    engine = Engine(model=str(tmp_path), opt="O0", verbose=False)
+    try:
+        assert_matches_transformers(engine, hf, list(range(600, 630)), 8, hf_greedy_uncached)
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "bamba"])
@@ -265,6 +282,11 @@ def test_plan_sizes_state_slots_and_shows_them(model_dirs):
     fixed, per_sequence = m.weights + m.workspace + m.margin, 2 * state.bytes_per_slot
     small = make_plan(server, args, device_memory=fixed + 10 * per_sequence + per_sequence // 2)
     assert small.max_num_sequence == 10 and small.memory.total <= small.memory.budget
+    # A fixed number of snapshots comes off first (5 of the room's 21 slots); each sequence then
+    # needs its one slot.
+    fixed_snapshots = dataclasses.replace(server, prefix_cache_max_num_recycling_seqs=5)
+    small = make_plan(fixed_snapshots, args, device_memory=fixed + 10 * per_sequence + per_sequence // 2)
+    assert small.max_num_sequence == 21 - 5 and small.state.snapshots == 5
     # A pure recurrent model has no positions: a sequence may be longer than the default context.
     assert make_plan(EngineConfig(max_single_sequence_length=32768), args).max_single_sequence_length == 32768
 
@@ -355,3 +377,49 @@ def test_prompt_chunks_end_at_snapshot_points_and_choices_wait_for_the_fork():
     states.at_boundary(first)  # the fork point's snapshot, which the second choice starts from
     assert states.ready(second)
     assert states.match(second, 29) == 24 and len(states.take_copies()) == 2
+
+
+def test_the_server_serves_a_mamba2_model_to_concurrent_openai_clients(model_dirs, tmp_path):
+    """No KV pages: the server still admits several requests at once (its in-flight token
+    bound comes from what the sequences may hold), through the official openai client."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from server_process import ServerProcess
+
+    with ServerProcess(["--model", model_dirs["mamba2"], "--opt", "O0", "--max-num-sequence", "4",
+                        "--served-model-name", "m"],
+                       str(tmp_path / "server.log")) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+
+        def ask(i: int):
+            return client.completions.create(model="m", prompt=f"count {i}:", max_tokens=8, temperature=0)
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, range(4)))
+    assert [a.usage.completion_tokens for a in answers] == [8] * 4
+
+
+@torch.inference_mode()
+def test_a_request_failing_mid_step_leaves_no_snapshot(model_dirs, monkeypatch):
+    """A request whose output fails inside a step is aborted after the forward pass, before its
+    computed tokens are counted: its state (already past them) must not enter the prefix cache."""
+    engine = Engine(model=model_dirs["mamba2"], opt="O0", max_num_sequence=2, verbose=False)
+    core = engine._core
+    try:
+        real_append = core.outputs.append
+
+        def failing(seq, token_ids, logprobs):
+            if seq.num_output_tokens >= 3:
+                raise RuntimeError("detokenizer failed")
+            return real_append(seq, token_ids, logprobs)
+
+        monkeypatch.setattr(core.outputs, "append", failing)
+        with pytest.raises(RuntimeError, match="detokenizer failed"):
+            list(engine.generate(list(range(9000, 9020)), GREEDY))
+        wait_idle(engine)
+        assert len(core.kv_manager.states.snapshots) == 0
+        assert engine.state_slots_in_use() == 0
+    finally:
+        engine.shutdown()

@@ -141,15 +141,17 @@ class EngineCore:
         for seq in req.seqs:
             self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
-        """Stop a request wherever it is and free its pages; its last output says "abort"."""
+    def abort_request(self, request_id: str, mid_step: bool = False) -> Optional[RequestOutput]:
+        """Stop a request wherever it is and free its pages; its last output says "abort".
+        ``mid_step``: from inside a step, after its forward pass and before ``update``, when a
+        sequence's recurrent state is already past its computed tokens: nothing is cached."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         deltas = []
         for seq in req.seqs:
             if seq.status is not SeqStatus.FINISHED:
-                self.scheduler.finish(seq)
+                self.scheduler.finish(seq, recycle=not mid_step)
                 seq.finish_reason = "abort"
                 deltas.append(SequenceDelta(seq.index, "", [], None, "abort"))
         return RequestOutput(request_id, req.prompt_token_ids, deltas, finished=True)
@@ -301,7 +303,7 @@ class EngineCore:
                 delta = self.outputs.append(seq, token_ids, logprobs)
             except Exception as exc:  # fail this request only; the others go on
                 logger.exception("request %s failed while processing its output", req.request_id)
-                self.abort_request(req.request_id)
+                self.abort_request(req.request_id, mid_step=True)
                 out.error, out.finished = exc, True
                 continue
             out.deltas.append(delta)

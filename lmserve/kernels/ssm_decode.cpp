@@ -74,7 +74,7 @@ void lm_scan_step_v1(float* ssm, const int64_t* slots, int batch, const float* u
 // dt_raw: (batch, ...) rows dt_stride apart, H values before the bias and softplus; y: (batch, H * P).
 void lm_scan_step_v2(float* ssm, const int64_t* slots, int batch, const float* u, int64_t u_stride,
                      const float* dt_raw, int64_t dt_stride, const float* dt_bias, const float* A,
-                     float dt_min, float dt_max, float* y, int heads, int head_dim, int groups,
+                     float* y, int heads, int head_dim, int groups,
                      int state_size, int threads) {
   const int P = head_dim, N = state_size, inner = heads * head_dim;
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static) if (batch * heads >= 8)
@@ -84,7 +84,7 @@ void lm_scan_step_v2(float* ssm, const int64_t* slots, int batch, const float* u
       const int g = h / (heads / groups);
       const float* Bv = ub + inner + (int64_t)g * N;
       const float* Cv = ub + inner + (int64_t)groups * N + (int64_t)g * N;
-      const float d = std::fmin(std::fmax(softplus(dt_raw[b * dt_stride + h] + dt_bias[h]), dt_min), dt_max);
+      const float d = softplus(dt_raw[b * dt_stride + h] + dt_bias[h]);
       const float decay = std::exp(d * A[h]);
       float* s = ssm + (slots[b] * (int64_t)heads + h) * P * N;
       for (int p = 0; p < P; ++p) {

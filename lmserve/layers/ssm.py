@@ -152,7 +152,7 @@ class MambaMixer:
         per_group = s.num_heads // s.n_groups
         B = B.view(-1, s.n_groups, s.state_size).repeat_interleave(per_group, 1)  # (n, H, N)
         C = C.view(-1, s.n_groups, s.state_size).repeat_interleave(per_group, 1)
-        dt = F.softplus(dt + self.dt_bias).clamp(*s.dt_limit)  # (n, H)
+        dt = F.softplus(dt + self.dt_bias)  # (n, H)
         return x.view(-1, s.num_heads, s.head_dim), dt, B, C
 
     def _update(self, state: torch.Tensor, x, dt, B, C) -> torch.Tensor:
@@ -189,7 +189,9 @@ class MambaMixer:
         x, dt, B, C = self._scan_inputs(u, dt)
         state = torch.zeros(self.ssm.ssm_state_shape) if r.fresh else ssm[r.slot].clone()
         if self.ssm.version == 2 and not r.history:
-            y, state = self._chunk_scan(x, dt, B, C, state)
+            # Prompt chunks clamp the time step to the model's limits; token steps do not (as
+            # transformers and mamba_ssm: the default limits, (0, inf), change nothing).
+            y, state = self._chunk_scan(x, dt.clamp(*self.ssm.dt_limit), B, C, state)
             ssm[r.slot] = state
             return y
         state = state.unsqueeze(0)

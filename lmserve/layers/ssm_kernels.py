@@ -16,11 +16,11 @@ class SSMKernels:
     @staticmethod
     def create() -> Optional[SSMKernels]:
         """The kernels, or None (logged by the loader) where they cannot be built."""
-        P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float  # noqa: E741
+        P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64  # noqa: E741
         lib = load_kernel_library("ssm_decode", {
             "lm_conv_step": [P, P, I, P, L, P, P, P, I, I, I],
             "lm_scan_step_v1": [P, P, I, P, P, P, P, L, P, I, I, I],
-            "lm_scan_step_v2": [P, P, I, P, L, P, L, P, P, F, F, P, I, I, I, I, I],
+            "lm_scan_step_v2": [P, P, I, P, L, P, L, P, P, P, I, I, I, I, I],
         })
         return None if lib is None else SSMKernels(lib)
 
@@ -59,6 +59,6 @@ class SSMKernels:
         y = torch.empty(u.shape[0], s.inner)
         self.lib.lm_scan_step_v2(ssm.data_ptr(), slots.data_ptr(), u.shape[0], u.data_ptr(), u.shape[1],
                                  dt_raw.data_ptr(), dt_raw.shape[1], dt_bias.data_ptr(), A.data_ptr(),
-                                 s.dt_limit[0], s.dt_limit[1], y.data_ptr(), s.num_heads, s.head_dim,
+                                 y.data_ptr(), s.num_heads, s.head_dim,
                                  s.n_groups, s.state_size, torch.get_num_threads())
         return y

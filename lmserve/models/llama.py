@@ -83,13 +83,17 @@ class LlamaLayer:
 
         attn = "self_attn."
         q, k, v = (get(attn + f"{p}_proj.weight") for p in "qkv")
-        qkv_bias = None
-        if args.attention_bias:
-            qkv_bias = torch.cat([get(attn + f"{p}_proj.bias") for p in "qkv"])
+        biases = [get(attn + f"{p}_proj.bias") for p in "qkv"] if args.attention_bias else None
         if args.rotary_dim is not None:  # partial rotary (dense weights: Hugging Face models)
             order = partial_rotary_order(args.head_dim, args.rotary_dim)
-            q, k = (t.view(-1, args.head_dim, t.shape[1])[:, order].reshape(t.shape) for t in (q, k))
-            assert qkv_bias is None, "partial rotary with q/k biases"
+
+            def reorder(t: torch.Tensor) -> torch.Tensor:  # each head's rows (and bias entries)
+                return t.view(-1, args.head_dim, *t.shape[1:])[:, order].reshape(t.shape)
+
+            q, k = reorder(q), reorder(k)
+            if biases is not None:
+                biases[:2] = [reorder(b) for b in biases[:2]]
+        qkv_bias = torch.cat(biases) if biases is not None else None
         self.kv_index = kv_index
         self.qkv = make_linear([q, k, v], qkv_bias, fmt, act)
         # Llama configs with attention_bias=True also have an o_proj bias

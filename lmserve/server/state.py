@@ -44,7 +44,10 @@ class ServerState:
         per_request = min(settings.max_seqs_per_request or max(1, plan.max_num_sequence // 2),
                           settings.max_waiting)
         limits = RequestLimits(max_stop_chars=settings.max_stop_chars, max_sequences=per_request)
-        max_tokens = settings.max_waiting_tokens or 4 * plan.num_pages * plan.page_size
+        # Tokens in flight: four times the KV cache (a model without KV, all recurrent: four
+        # times what its sequences may hold together).
+        max_tokens = settings.max_waiting_tokens or 4 * (
+            plan.num_pages * plan.page_size or plan.max_total_sequence_length)
         return cls(settings, metrics, model, AsyncChat(model, limits), AsyncCompletions(model, limits),
                    AdmissionGate(settings.max_waiting, max_tokens))
 
