@@ -23,6 +23,7 @@ from lmserve.cache.kv import kv_bytes_per_head
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.models.args import ModelArgs
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K
+from lmserve.spec.medusa import medusa_heads_bytes
 from lmserve.state_plan import StatePlan, batch_that_fits, plan_state
 
 DEFAULT_MODE = "local"
@@ -113,8 +114,8 @@ class EnginePlan:
               if self.state else []),
             ("workspace", _gib(m.workspace)),
             ("runtime_margin", _gib(m.margin)),
-            *([("draft_model", f"{_gib(m.draft)} of the weights and KV cache above")]
-              if m.draft else []),
+            *([("medusa_heads" if self.speculative.startswith("medusa") else "draft_model",
+                f"{_gib(m.draft)} of the weights and KV cache above")] if m.draft else []),
             ("expected_memory", f"{_gib(m.total)} of a {_gib(m.budget)} budget "
                                 f"({_gib(m.device)} device)"),
         ]
@@ -141,6 +142,8 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         models.append((draft_args, parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT)))
     kv_dtypes = [_kv_dtype(a, o, config.kv_cache_page_size) for a, o in models]
     weights = sum(weight_bytes(a, o.weight_dtype, o.act_dtype) for a, o in models)
+    heads = medusa_heads_bytes(config.additional_models[0]) if config.speculative_mode == "medusa" else 0
+    weights += heads
     kv_per_token = sum(_kv_per_token(a, d) for (a, _), d in zip(models, kv_dtypes))
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
     context = min(a.context_length for a, _ in models)
@@ -206,7 +209,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
 
     num_pages = 0 if recurrent_only else -(-total // page)  # ceil: the last page may be partly used
     state = plan_state(config, args, batch)
-    draft = 0
+    draft = heads
     if draft_args is not None:
         draft = (weight_bytes(draft_args, models[1][1].weight_dtype, models[1][1].act_dtype)
                  + num_pages * page * _kv_per_token(draft_args, kv_dtypes[1]))

@@ -46,6 +46,7 @@ class ModelRunner:
         layers = range(num_layers) if window_layers is None else window_layers
         self.windowed = tuple(window is not None and i in layers for i in range(num_layers))
         self.rotary = model.rotary(max_positions, device)
+        self.last_hidden: Optional[torch.Tensor] = None  # the last step's, of its logit rows
         self.layer_calls = model.layer_calls(backend, ops, kv, self.windowed,
                                              window is not None and window.sinks > 0)
 
@@ -100,8 +101,12 @@ class ModelRunner:
         )
         hidden = self.model.forward(torch.tensor(input_ids, device=self.device), ctx)  # (T, D)
         if not rows:
-            return hidden.new_empty((0, 0))
-        return self.model.logits(hidden[torch.tensor(rows, device=self.device)])  # (R, V)
+            self.last_hidden = hidden.new_empty((0, 0))
+            return self.last_hidden
+        # The final hidden state of each logit row: what drafters on the target's hidden states
+        # (Medusa) draft from, without a second pass.
+        self.last_hidden = hidden[torch.tensor(rows, device=self.device)]  # (R, D)
+        return self.model.logits(self.last_hidden)  # (R, V)
 
     def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
         """Move KV between cache slots (a verified draft tree's path into place)."""

@@ -85,7 +85,7 @@ class EngineCore:
                                          window=plan.window if plan.bounded else None,
                                          states=self._make_state_manager(plan),
                                          paged=plan.num_pages > 0)
-        self.speculator = make_speculator(config, plan, self.draft_runner)
+        self.speculator = make_speculator(config, plan, self.args, self.draft_runner)
         self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
                                    config.prefill_mode,
                                    self.speculator.lookahead if self.speculator else None)
@@ -275,6 +275,8 @@ class EngineCore:
         for c in chunks:
             c.accepted = c.draft.accept(sampled[row : row + len(c.draft) + 1])
             kept = [row] + [row + 1 + node for node in c.accepted]  # rows after each new token
+            if self.speculator is not None and self.speculator.uses_hidden:
+                self.speculator.drafter.observe(c.seq, self.runner.last_hidden[kept[-1]])
             logprobs = [_logprob(result, r, c.seq.request.params) for r in kept]
             new.append(_NewTokens(c.seq, [sampled[r] for r in kept],
                                   None if logprobs[0] is None else logprobs))

@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 from lmserve.config import EngineConfig
+from lmserve.models.args import ModelArgs
 from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength
 from lmserve.runner import ModelRunner
 from lmserve.spec.draft_model import DraftModelDrafter
+from lmserve.spec.medusa import MedusaDrafter, read_medusa_heads
 from lmserve.spec.ngram import NgramDrafter
 
 
@@ -70,6 +72,9 @@ class Speculator:
         self.max_k = k or MAX_ADAPTIVE_K
         self.max_sequence_length = max_sequence_length
         self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
+        # The drafter drafts from the target's final hidden state of each newest token, which
+        # the engine hands it after sampling (``observe``).
+        self.uses_hidden = hasattr(drafter, "observe")
         self._depths: dict[Sequence, int] = {}  # this step's, from ``lookahead``
 
     def lookahead(self, seqs: list[Sequence], with_prefill: bool = False) -> list[int]:
@@ -133,15 +138,25 @@ class Speculator:
         return max(0, min(self.max_k, left - 1))
 
 
-def make_speculator(config: EngineConfig, plan: EnginePlan,
+def make_speculator(config: EngineConfig, plan: EnginePlan, target: ModelArgs,
                     draft_runner: Optional[ModelRunner] = None) -> Optional[Speculator]:
     """The config's speculative decoding, or None when it is off. ``draft_runner``: the draft
-    model's worker, for ``small_draft``."""
+    model's worker, for ``small_draft``; ``target``: the model (Medusa heads must fit it)."""
     if config.speculative_mode == "disable":
         return None
     width = config.spec_tree_width
     if config.speculative_mode == "ngram":
         drafter: Drafter = NgramDrafter(width)
+    elif config.speculative_mode == "medusa":
+        try:
+            heads = read_medusa_heads(config.additional_models[0], target)
+        except (OSError, ValueError) as err:
+            raise type(err)(f"additional_models[0] (the Medusa heads): {err}") from None
+        if heads.choices is not None and target.ssm_layers:
+            raise ValueError("additional_models[0] (the Medusa heads) has medusa_choices, a tree, "
+                             "which a model with recurrent layers cannot verify: its state follows "
+                             "one chain of tokens")
+        drafter = MedusaDrafter(heads, width)
     else:
         drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size, width, plan.bounded)
     return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length)

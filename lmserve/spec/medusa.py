@@ -1,0 +1,194 @@
+"""Medusa drafting (``speculative_mode="medusa"``): heads on the target's last hidden state.
+
+Medusa (FasterDecoding/Medusa) adds ``k`` heads to a model: head ``i`` maps the final hidden
+state ``h`` of the token just sampled to the token ``i + 2`` positions later (the model's own head
+gives the next one), through ``L`` residual blocks ``x + silu(W x + b)`` and a vocabulary
+projection. So all depths are drafted at once from the hidden state of the last verified token,
+which the target's verify pass computes anyway: no draft model, no second pass. The drafts are
+the heads' best tokens (deterministic, q = 1, so verification needs no draft probabilities, see
+``speculator``); with a tree, the heads' top candidates as Medusa's ``medusa_choices`` (paths of
+ranks) or, without them, the best chain with the next best tokens as leaves.
+
+Heads load from the layouts people publish: FasterDecoding's directory (``config.json`` with
+``medusa_num_heads`` and ``medusa_num_layers``; ``medusa_lm_head.safetensors`` with
+``{i}.{j}.linear.weight/bias`` and ``{i}.{L}.weight``), and vLLM's names (``blocks.{i}.layers.{j}``,
+``lm_heads.{i}``). A ``.pt``/``.bin`` file is read only with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from lmserve.models.args import ModelArgs
+from lmserve.request import Sequence
+from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.spec.tree import DraftTree
+
+_FILES = ("medusa_lm_head.safetensors", "model.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin",
+          "pytorch_model.bin")
+_FASTER = re.compile(r"(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)")
+_VLLM = re.compile(r"(?:blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)|lm_heads\.(\d+)\.weight)")
+
+
+@dataclass
+class MedusaHeads:
+    """``blocks[i]``: head i's residual blocks as (weight (D, D), bias (D,)); ``heads[i]``: its
+    vocabulary projection (V, D). Float32."""
+
+    blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    heads: list[torch.Tensor]
+    choices: Optional[list[tuple[int, ...]]] = None  # medusa_choices: paths of top-k ranks
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(k, B, V)``: every head's logits for the hidden states ``(B, D)``."""
+        out = []
+        for blocks, head in zip(self.blocks, self.heads):
+            x = hidden.float()
+            for weight, bias in blocks:
+                x = x + F.silu(F.linear(x, weight, bias))
+            out.append(x @ head.t())
+        return torch.stack(out)
+
+
+def _heads_file(path: str) -> str:
+    file = path if os.path.isfile(path) else next(
+        (os.path.join(path, n) for n in _FILES if os.path.isfile(os.path.join(path, n))), None)
+    if file is None:
+        raise FileNotFoundError(f"{path} holds no Medusa heads (looked for {', '.join(_FILES)})")
+    return file
+
+
+def medusa_heads_bytes(path: str) -> int:
+    """Bytes the heads at ``path`` take in memory (float32), from a safetensors header without
+    reading the tensors (for the plan); 0 if there are none to read (the engine then refuses)."""
+    try:
+        file = _heads_file(path)
+    except FileNotFoundError:
+        return 0
+    if not file.endswith(".safetensors"):
+        return sum(t.numel() for t in torch.load(file, map_location="cpu", weights_only=True).values()) * 4
+    with safe_open(file, framework="pt") as f:
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys()) * 4
+
+
+def read_medusa_heads(path: str, target: ModelArgs) -> MedusaHeads:
+    """Medusa heads from ``path`` (a directory or a weights file), checked against the target:
+    a tensor with a name or shape that does not fit is refused, naming it."""
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    config = {}
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    file = _heads_file(path)
+    if file.endswith(".safetensors"):
+        tensors = load_file(file)
+    else:  # never a full unpickle: tensors only
+        tensors = torch.load(file, map_location="cpu", weights_only=True)
+    blocks: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+    heads: dict[int, torch.Tensor] = {}
+    num_layers = config.get("medusa_num_layers")
+    for name, tensor in tensors.items():
+        faster, vllm = _FASTER.fullmatch(name), _VLLM.fullmatch(name)
+        if faster:
+            i, j, kind = int(faster[1]), int(faster[2]), faster[3]
+            if kind == "weight":  # {i}.{L}.weight: the vocabulary projection after L blocks
+                heads[i] = tensor
+                if num_layers is not None and j != num_layers:
+                    raise ValueError(f"{file}: tensor '{name}' is a head projection after {j} "
+                                     f"blocks, but config.json says medusa_num_layers={num_layers}")
+            else:
+                blocks.setdefault(i, {}).setdefault(j, {})[kind.split(".")[1]] = tensor
+        elif vllm and vllm[4] is not None:
+            heads[int(vllm[4])] = tensor
+        elif vllm:
+            blocks.setdefault(int(vllm[1]), {}).setdefault(int(vllm[2]), {})[vllm[3]] = tensor
+        else:
+            raise ValueError(f"{file} has tensor '{name}', which is not a Medusa head tensor "
+                             f"({{i}}.{{j}}.linear.weight/bias, {{i}}.{{L}}.weight, "
+                             f"blocks.{{i}}.layers.{{j}}.weight/bias or lm_heads.{{i}}.weight)")
+    k = config.get("medusa_num_heads", len(heads))
+    if sorted(heads) != list(range(k)):
+        raise ValueError(f"{file}: Medusa heads {sorted(heads)} found, expected 0..{k - 1} "
+                         f"(medusa_num_heads={k})")
+    d, v = target.hidden_size, target.vocab_size
+    out = MedusaHeads([], [], _choices(config))
+    for i in range(k):
+        if tuple(heads[i].shape) != (v, d):
+            raise ValueError(f"{file}: head {i}'s vocabulary projection is {tuple(heads[i].shape)}, "
+                             f"the model needs ({v}, {d}) (vocabulary, hidden size)")
+        layers = blocks.get(i, {})
+        pairs = []
+        for j in range(len(layers)):
+            if set(layers.get(j, {})) != {"weight", "bias"}:
+                raise ValueError(f"{file}: head {i} block {j} needs a weight and a bias, found "
+                                 f"{sorted(layers.get(j, {}))}")
+            w, b = layers[j]["weight"], layers[j]["bias"]
+            if tuple(w.shape) != (d, d) or tuple(b.shape) != (d,):
+                raise ValueError(f"{file}: head {i} block {j} is {tuple(w.shape)} + {tuple(b.shape)}, "
+                                 f"the model's hidden size needs ({d}, {d}) + ({d},)")
+            pairs.append((w.float(), b.float()))
+        out.blocks.append(pairs)
+        out.heads.append(heads[i].float())
+    return out
+
+
+def _choices(config: dict) -> Optional[list[tuple[int, ...]]]:
+    choices = config.get("medusa_choices")
+    return None if choices is None else sorted((tuple(c) for c in choices), key=lambda c: (len(c), c))
+
+
+class MedusaDrafter:
+    """Drafts from Medusa heads on the hidden state of each sequence's newest token, which the
+    engine hands over after sampling (``observe``); ``width`` candidates per depth for a tree."""
+
+    def __init__(self, heads: MedusaHeads, width: int = 1) -> None:
+        self.heads = heads
+        self.width = width
+
+    @staticmethod
+    def observe(seq: Sequence, hidden: torch.Tensor) -> None:
+        """The final hidden state ``(D,)`` the newest token of ``seq`` was sampled from (kept as
+        the sequence's draft state, so it goes with the sequence)."""
+        seq.draft_state = hidden
+
+    def offer(self, seq: Sequence, cap: int) -> int:
+        return min(cap, len(self.heads)) if seq.draft_state is not None else 0
+
+    def num_nodes(self, seq: Sequence, depth: int) -> int:
+        if self.heads.choices is not None:
+            return sum(len(c) <= depth for c in self.heads.choices)
+        return depth * self.width
+
+    def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
+        drafting = [c for c, depth in depths.items() if depth]
+        if not drafting:
+            return
+        logits = self.heads.logits(torch.stack([c.seq.draft_state for c in drafting]))  # (k, B, V)
+        ranks = max((max(c) + 1 for c in self.heads.choices), default=1) if self.heads.choices else self.width
+        top = logits.topk(ranks, dim=-1).indices  # (k, B, ranks)
+        for b, c in enumerate(drafting):
+            levels = top[: depths[c], b].tolist()  # per depth, its candidates best first
+            if self.heads.choices is not None:
+                tree = DraftTree()
+                for path in self.heads.choices:
+                    if len(path) <= depths[c]:
+                        node = -1
+                        for depth, rank in enumerate(path):
+                            node = tree.add(node, levels[depth][rank])
+            else:
+                tree = DraftTree.from_candidates(levels, c.num_lookahead)
+            c.draft = tree.truncated(c.num_lookahead, depths[c])

@@ -1,0 +1,148 @@
+"""Medusa heads: the published layouts load (and bad ones are refused by name), and drafting
+from them never changes the output."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import generate_tokens, run_concurrently, wait_idle
+from lmserve import Engine, SamplingParams
+from lmserve.config import EngineConfig
+from lmserve.models.loader import read_model_args
+from lmserve.plan import make_plan
+from lmserve.spec.medusa import MedusaDrafter, read_medusa_heads
+from tiny_models import make_hf_llama, random_model
+
+HIDDEN, HEADS, LAYERS = 64, 3, 1
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def medusa_tensors(lm_head: torch.Tensor, layout: str = "medusa", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random Medusa heads whose projections are near the model's own head (so that they draft
+    tokens the model likes), in FasterDecoding's names or vLLM's."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(HEADS):
+        for j in range(LAYERS):
+            w, b = 0.05 * torch.randn(HIDDEN, HIDDEN, generator=g), 0.05 * torch.randn(HIDDEN, generator=g)
+            names = (f"{i}.{j}.linear.weight", f"{i}.{j}.linear.bias") if layout == "medusa" else \
+                (f"blocks.{i}.layers.{j}.weight", f"blocks.{i}.layers.{j}.bias")
+            out |= dict(zip(names, (w, b)))
+        head = lm_head + 0.01 * torch.randn(lm_head.shape, generator=g)
+        out[f"{i}.{LAYERS}.weight" if layout == "medusa" else f"lm_heads.{i}.weight"] = head
+    return out
+
+
+def write_heads(directory, tensors, choices=None, fmt: str = "safetensors") -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"medusa_num_heads": HEADS, "medusa_num_layers": LAYERS}
+    if choices is not None:
+        config["medusa_choices"] = choices
+    (directory / "config.json").write_text(json.dumps(config))
+    if fmt == "safetensors":
+        save_file(tensors, str(directory / "medusa_lm_head.safetensors"))
+    else:
+        torch.save(tensors, str(directory / "medusa_lm_head.pt"))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny random Llama model and Medusa heads for it in each layout."""
+    root = tmp_path_factory.mktemp("medusa")
+    model_dir = make_hf_llama(str(root / "model"), hidden_size=HIDDEN, seed=4)
+    lm_head = random_model(hidden_size=HIDDEN, seed=4).lm_head.weight.detach()
+    heads = {layout: write_heads(root / layout, medusa_tensors(lm_head, layout))
+             for layout in ("medusa", "vllm")}
+    heads["pt"] = write_heads(root / "pt", medusa_tensors(lm_head), fmt="pt")
+    heads["choices"] = write_heads(root / "choices", medusa_tensors(lm_head),
+                                   choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    return model_dir, heads
+
+
+def test_the_published_layouts_load_alike(target):
+    model_dir, heads = target
+    args = read_model_args(model_dir)
+    loaded = {layout: read_medusa_heads(heads[layout], args) for layout in ("medusa", "vllm", "pt")}
+    hidden = torch.randn(2, HIDDEN)
+    reference = loaded["medusa"].logits(hidden)
+    assert reference.shape == (HEADS, 2, args.vocab_size)
+    for layout in ("vllm", "pt"):
+        assert torch.equal(loaded[layout].logits(hidden), reference)
+    assert read_medusa_heads(heads["choices"], args).choices[:3] == [(0,), (1,), (0, 0)]
+    # The plan counts the heads (float32) with the weights, from the file's header.
+    config = EngineConfig(speculative_mode="medusa", additional_models=[heads["medusa"]])
+    plan = make_plan(config, args)
+    assert plan.memory.draft == HEADS * (LAYERS * (HIDDEN * HIDDEN + HIDDEN) + args.vocab_size * HIDDEN) * 4
+    assert "medusa_heads" in plan.describe() and plan.speculative.startswith("medusa")
+
+
+def test_bad_heads_are_refused_naming_the_tensor(target, tmp_path):
+    model_dir, heads = target
+    args = read_model_args(model_dir)
+    good = medusa_tensors(torch.zeros(args.vocab_size, HIDDEN))
+    wrong_shape = dict(good, **{"1.0.linear.weight": torch.zeros(HIDDEN, HIDDEN + 1)})
+    with pytest.raises(ValueError, match=r"head 1 block 0 is \(64, 65\)"):
+        read_medusa_heads(write_heads(tmp_path / "a", wrong_shape), args)
+    unknown = dict(good, **{"medusa.extra": torch.zeros(1)})
+    with pytest.raises(ValueError, match="tensor 'medusa.extra'"):
+        read_medusa_heads(write_heads(tmp_path / "b", unknown), args)
+    small_vocab = dict(good, **{"2.1.weight": torch.zeros(100, HIDDEN)})
+    with pytest.raises(ValueError, match=r"head 2's vocabulary projection is \(100, 64\)"):
+        read_medusa_heads(write_heads(tmp_path / "c", small_vocab), args)
+    with pytest.raises(FileNotFoundError, match="additional_models\\[0\\] \\(the Medusa heads\\)"):
+        Engine(model=model_dir, speculative_mode="medusa", additional_models=[str(tmp_path)], verbose=False)
+
+
+@pytest.mark.parametrize("heads_kind, width", [("medusa", 1), ("medusa", 2), ("choices", 1)])
+@torch.inference_mode()
+def test_medusa_keeps_greedy_and_seeded_output_in_company(target, heads_kind, width):
+    """Chains, trees of the heads' top candidates, and Medusa's choices: the same tokens as
+    speculation off, alone and in batch company, greedy and seeded."""
+    model_dir, heads = target
+    prompts = [list(range(200 + 30 * i, 200 + 30 * i + n)) for i, n in enumerate((7, 25, 16, 40))]
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True)
+    plain = Engine(model=model_dir, opt="O0", max_num_sequence=4, verbose=False)
+    try:
+        expected = [generate_tokens(plain, p, GREEDY) for p in prompts]
+        expected_seeded = generate_tokens(plain, prompts[1], seeded)
+    finally:
+        plain.shutdown()
+    engine = Engine(model=model_dir, opt="O0", max_num_sequence=4, speculative_mode="medusa",
+                    additional_models=[heads[heads_kind]], spec_draft_length=3, spec_tree_width=width,
+                    verbose=False)
+    try:
+        assert isinstance(engine._core.speculator.drafter, MedusaDrafter)
+        assert run_concurrently(engine, prompts, GREEDY, delays=[0, 0.01, 0.03, 0.05]) == expected
+        assert generate_tokens(engine, prompts[1], seeded) == expected_seeded
+        stats = engine.stats()
+        assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
+@torch.inference_mode()
+def test_medusa_under_preemption_and_prefix_reuse(target):
+    model_dir, heads = target
+    shared = list(range(900, 940))
+    prompts = [shared + list(range(1000 + 10 * i, 1000 + 10 * i + 5)) for i in range(4)]
+    plain = Engine(model=model_dir, opt="O0", max_num_sequence=4, verbose=False)
+    try:
+        expected = [generate_tokens(plain, p, GREEDY) for p in prompts]
+    finally:
+        plain.shutdown()
+    engine = Engine(model=model_dir, opt="O0", max_num_sequence=4, speculative_mode="medusa",
+                    additional_models=[heads["medusa"]], kv_cache_page_size=8,
+                    max_total_sequence_length=160, verbose=False)
+    try:
+        assert run_concurrently(engine, prompts, GREEDY) == expected
+        assert engine._core.scheduler.num_preemptions > 0
+        assert engine.stats().prefix_cache_hit_tokens > 0
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
