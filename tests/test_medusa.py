@@ -57,8 +57,8 @@ def target(tmp_path_factory):
     heads = {layout: write_heads(root / layout, medusa_tensors(lm_head, layout))
              for layout in ("medusa", "vllm")}
     heads["pt"] = write_heads(root / "pt", medusa_tensors(lm_head), fmt="pt")
-    heads["choices"] = write_heads(root / "choices", medusa_tensors(lm_head),
-                                   choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    heads["choices"] = write_heads(root / "choices", medusa_tensors(lm_head),  # (0,) implied
+                                   choices=[[1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     return model_dir, heads
 
 
@@ -71,6 +71,7 @@ def test_the_published_layouts_load_alike(target):
     assert reference.shape == (HEADS, 2, args.vocab_size)
     for layout in ("vllm", "pt"):
         assert torch.equal(loaded[layout].logits(hidden), reference)
+    assert torch.equal(loaded["medusa"].logits(hidden, 2), reference[:2])
     assert read_medusa_heads(heads["choices"], args).choices[:3] == [(0,), (1,), (0, 0)]
     # The plan counts the heads (float32) with the weights, from the file's header.
     config = EngineConfig(speculative_mode="medusa", additional_models=[heads["medusa"]])
@@ -92,6 +93,15 @@ def test_bad_heads_are_refused_naming_the_tensor(target, tmp_path):
     small_vocab = dict(good, **{"2.1.weight": torch.zeros(100, HIDDEN)})
     with pytest.raises(ValueError, match=r"head 2's vocabulary projection is \(100, 64\)"):
         read_medusa_heads(write_heads(tmp_path / "c", small_vocab), args)
+    stray = dict(good, **{"3.0.linear.weight": torch.zeros(HIDDEN, HIDDEN)})
+    with pytest.raises(ValueError, match=r"blocks for \[0, 1, 2, 3\]"):
+        read_medusa_heads(write_heads(tmp_path / "d", stray), args)
+    with pytest.raises(ValueError, match="medusa_choices makes a tree of 72 tokens"):
+        read_medusa_heads(write_heads(tmp_path / "e", good, choices=[[i] for i in range(72)]), args)
+    # vLLM's blocks may come without a bias (its medusa_fc_bias=False): zeros.
+    no_bias = {n: t for n, t in medusa_tensors(torch.zeros(args.vocab_size, HIDDEN), "vllm").items()
+               if not n.endswith("bias")}
+    assert not read_medusa_heads(write_heads(tmp_path / "f", no_bias), args).blocks[0][0][1].any()
     with pytest.raises(FileNotFoundError, match="additional_models\\[0\\] \\(the Medusa heads\\)"):
         Engine(model=model_dir, speculative_mode="medusa", additional_models=[str(tmp_path)], verbose=False)
 
@@ -114,8 +124,26 @@ def test_medusa_keeps_greedy_and_seeded_output_in_company(target, heads_kind, wi
                     additional_models=[heads[heads_kind]], spec_draft_length=3, spec_tree_width=width,
                     verbose=False)
     try:
-        assert isinstance(engine._core.speculator.drafter, MedusaDrafter)
+        core = engine._core
+        assert isinstance(core.speculator.drafter, MedusaDrafter)
+        # The hidden state each sequence drafts from is the one its newest token was sampled
+        # from (greedy: that row's argmax), also when the accepted path of a tree moved.
+        sampled_from, append = {}, core._append
+
+        def observe(seq, hidden):
+            sampled_from[seq] = int(core.runner.model.logits(hidden[None]).argmax())
+            MedusaDrafter.observe(seq, hidden)
+
+        def checked_append(new_tokens):
+            for seq, token_ids, _ in new_tokens:
+                assert token_ids[-1] == sampled_from.pop(seq)
+            return append(new_tokens)
+
+        core.speculator.drafter.observe = observe
+        core._append = checked_append
         assert run_concurrently(engine, prompts, GREEDY, delays=[0, 0.01, 0.03, 0.05]) == expected
+        core._append = append  # the check holds for greedy rows only
+        del core.speculator.drafter.observe
         assert generate_tokens(engine, prompts[1], seeded) == expected_seeded
         stats = engine.stats()
         assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from lmserve.models.args import ModelArgs
 from lmserve.request import Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.spec.tree import DraftTree
+from lmserve.spec.tree import MAX_TREE_TOKENS, DraftTree
 
 _FILES = ("medusa_lm_head.safetensors", "model.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin",
           "pytorch_model.bin")
@@ -53,10 +53,11 @@ class MedusaHeads:
         return len(self.heads)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``(k, B, V)``: every head's logits for the hidden states ``(B, D)``."""
+    def logits(self, hidden: torch.Tensor, depth: Optional[int] = None) -> torch.Tensor:
+        """``(depth, B, V)``: the first ``depth`` heads' logits (all by default) for the hidden
+        states ``(B, D)``."""
         out = []
-        for blocks, head in zip(self.blocks, self.heads):
+        for blocks, head in list(zip(self.blocks, self.heads))[:depth]:
             x = hidden.float()
             for weight, bias in blocks:
                 x = x + F.silu(F.linear(x, weight, bias))
@@ -74,15 +75,18 @@ def _heads_file(path: str) -> str:
 
 def medusa_heads_bytes(path: str) -> int:
     """Bytes the heads at ``path`` take in memory (float32), from a safetensors header without
-    reading the tensors (for the plan); 0 if there are none to read (the engine then refuses)."""
+    reading the tensors (for the plan); errors name the heads."""
     try:
         file = _heads_file(path)
-    except FileNotFoundError:
-        return 0
-    if not file.endswith(".safetensors"):
-        return sum(t.numel() for t in torch.load(file, map_location="cpu", weights_only=True).values()) * 4
-    with safe_open(file, framework="pt") as f:
-        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys()) * 4
+        if not file.endswith(".safetensors"):
+            tensors = torch.load(file, map_location="cpu", weights_only=True)
+            return sum(t.numel() for t in tensors.values()) * 4
+        with safe_open(file, framework="pt") as f:
+            return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys()) * 4
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"additional_models[0] (the Medusa heads): {err}") from None
+    except Exception as err:  # a damaged file: safetensors' and pickle's own errors
+        raise ValueError(f"additional_models[0] (the Medusa heads): cannot read {path}: {err}") from None
 
 
 def read_medusa_heads(path: str, target: ModelArgs) -> MedusaHeads:
@@ -98,18 +102,20 @@ def read_medusa_heads(path: str, target: ModelArgs) -> MedusaHeads:
         tensors = load_file(file)
     else:  # never a full unpickle: tensors only
         tensors = torch.load(file, map_location="cpu", weights_only=True)
+    if config.get("truncated_vocab_size") or config.get("original_lm_head"):
+        raise ValueError(f"{directory}/config.json asks for vLLM's truncated_vocab_size or "
+                         f"original_lm_head, which lmserve does not support: heads must project "
+                         f"to the whole vocabulary")
     blocks: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
     heads: dict[int, torch.Tensor] = {}
-    num_layers = config.get("medusa_num_layers")
+    after: dict[int, tuple[int, str]] = {}  # FasterDecoding: head i's projection's block index
     for name, tensor in tensors.items():
         faster, vllm = _FASTER.fullmatch(name), _VLLM.fullmatch(name)
         if faster:
             i, j, kind = int(faster[1]), int(faster[2]), faster[3]
             if kind == "weight":  # {i}.{L}.weight: the vocabulary projection after L blocks
                 heads[i] = tensor
-                if num_layers is not None and j != num_layers:
-                    raise ValueError(f"{file}: tensor '{name}' is a head projection after {j} "
-                                     f"blocks, but config.json says medusa_num_layers={num_layers}")
+                after[i] = (j, name)
             else:
                 blocks.setdefault(i, {}).setdefault(j, {})[kind.split(".")[1]] = tensor
         elif vllm and vllm[4] is not None:
@@ -120,10 +126,11 @@ def read_medusa_heads(path: str, target: ModelArgs) -> MedusaHeads:
             raise ValueError(f"{file} has tensor '{name}', which is not a Medusa head tensor "
                              f"({{i}}.{{j}}.linear.weight/bias, {{i}}.{{L}}.weight, "
                              f"blocks.{{i}}.layers.{{j}}.weight/bias or lm_heads.{{i}}.weight)")
-    k = config.get("medusa_num_heads", len(heads))
-    if sorted(heads) != list(range(k)):
-        raise ValueError(f"{file}: Medusa heads {sorted(heads)} found, expected 0..{k - 1} "
-                         f"(medusa_num_heads={k})")
+    k = config.get("medusa_num_heads", config.get("num_heads", len(heads)))
+    num_layers = config.get("medusa_num_layers", config.get("num_hidden_layers"))
+    if sorted(heads) != list(range(k)) or any(i not in heads for i in blocks):
+        raise ValueError(f"{file}: Medusa heads {sorted(heads)} (blocks for {sorted(blocks)}) found, "
+                         f"expected 0..{k - 1} (medusa_num_heads={k})")
     d, v = target.hidden_size, target.vocab_size
     out = MedusaHeads([], [], _choices(config))
     for i in range(k):
@@ -131,12 +138,18 @@ def read_medusa_heads(path: str, target: ModelArgs) -> MedusaHeads:
             raise ValueError(f"{file}: head {i}'s vocabulary projection is {tuple(heads[i].shape)}, "
                              f"the model needs ({v}, {d}) (vocabulary, hidden size)")
         layers = blocks.get(i, {})
+        expected = num_layers if num_layers is not None else len(layers)
+        if sorted(layers) != list(range(expected)) or after.get(i, (expected,))[0] != expected:
+            where = f"; its projection is '{after[i][1]}'" if i in after else ""
+            raise ValueError(f"{file}: head {i} has residual blocks {sorted(layers)}{where}, "
+                             f"expected blocks 0..{expected - 1} and the projection after them")
         pairs = []
-        for j in range(len(layers)):
-            if set(layers.get(j, {})) != {"weight", "bias"}:
-                raise ValueError(f"{file}: head {i} block {j} needs a weight and a bias, found "
-                                 f"{sorted(layers.get(j, {}))}")
-            w, b = layers[j]["weight"], layers[j]["bias"]
+        for j in range(expected):
+            if "weight" not in layers[j] or set(layers[j]) - {"weight", "bias"}:
+                raise ValueError(f"{file}: head {i} block {j} needs a weight (and may have a "
+                                 f"bias), found {sorted(layers[j])}")
+            w = layers[j]["weight"]
+            b = layers[j].get("bias", torch.zeros(d))  # vLLM's blocks may have no bias
             if tuple(w.shape) != (d, d) or tuple(b.shape) != (d,):
                 raise ValueError(f"{file}: head {i} block {j} is {tuple(w.shape)} + {tuple(b.shape)}, "
                                  f"the model's hidden size needs ({d}, {d}) + ({d},)")
@@ -147,8 +160,16 @@ def read_medusa_heads(path: str, target: ModelArgs) -> MedusaHeads:
 
 
 def _choices(config: dict) -> Optional[list[tuple[int, ...]]]:
+    """``medusa_choices`` as tree paths, parents first, each path's prefixes included (one tree
+    node per path); refused when the tree would not fit one verify step."""
     choices = config.get("medusa_choices")
-    return None if choices is None else sorted((tuple(c) for c in choices), key=lambda c: (len(c), c))
+    if choices is None:
+        return None
+    paths = {tuple(c[:n]) for c in choices for n in range(1, len(c) + 1)}
+    if len(paths) >= MAX_TREE_TOKENS:
+        raise ValueError(f"medusa_choices makes a tree of {len(paths)} tokens; a step verifies at "
+                         f"most {MAX_TREE_TOKENS - 1} drafts per sequence")
+    return sorted(paths, key=lambda c: (len(c), c))
 
 
 class MedusaDrafter:
@@ -163,7 +184,7 @@ class MedusaDrafter:
     def observe(seq: Sequence, hidden: torch.Tensor) -> None:
         """The final hidden state ``(D,)`` the newest token of ``seq`` was sampled from (kept as
         the sequence's draft state, so it goes with the sequence)."""
-        seq.draft_state = hidden
+        seq.draft_state = hidden.clone()  # not a view keeping the step's rows alive
 
     def offer(self, seq: Sequence, cap: int) -> int:
         return min(cap, len(self.heads)) if seq.draft_state is not None else 0
@@ -177,7 +198,8 @@ class MedusaDrafter:
         drafting = [c for c, depth in depths.items() if depth]
         if not drafting:
             return
-        logits = self.heads.logits(torch.stack([c.seq.draft_state for c in drafting]))  # (k, B, V)
+        deepest = max(depths[c] for c in drafting)
+        logits = self.heads.logits(torch.stack([c.seq.draft_state for c in drafting]), deepest)
         ranks = max((max(c) + 1 for c in self.heads.choices), default=1) if self.heads.choices else self.width
         top = logits.topk(ranks, dim=-1).indices  # (k, B, ranks)
         for b, c in enumerate(drafting):
