@@ -24,6 +24,7 @@ from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.models.args import ModelArgs
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K
 from lmserve.spec.medusa import medusa_heads_bytes
+from lmserve.spec.tree import MAX_TREE_TOKENS
 from lmserve.state_plan import StatePlan, batch_that_fits, plan_state
 
 DEFAULT_MODE = "local"
@@ -166,6 +167,8 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         speculating = config.speculative_mode != "disable"
         max_drafts = ((config.spec_draft_length or MAX_ADAPTIVE_K) * config.spec_tree_width
                       if speculating else 0)
+        if config.speculative_mode == "medusa":  # its medusa_choices may draft a whole tree
+            max_drafts = MAX_TREE_TOKENS - 1
         rows = min(max(chunk, batch), batch * (1 + max_drafts))
         # A windowed layer's query sees at most its sinks, window and chunk: every query's,
         # when every layer is windowed, else a dense layer's sees its whole sequence.
