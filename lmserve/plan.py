@@ -300,9 +300,12 @@ def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16
     if args.ssm is not None:  # in/out projections as weight_format; the rest float32
         s = args.ssm
         proj = d * (s.inner + s.conv_dim + s.num_heads) if s.version == 2 else d * 2 * s.inner
-        small = s.conv_dim * (s.conv_kernel + 1) + s.inner * (
-            s.dt_rank + 2 * s.state_size + s.dt_rank + 1 + s.state_size + 1) if s.version == 1 else \
-            s.conv_dim * (s.conv_kernel + 1) + 3 * s.num_heads + s.inner
+        small = s.conv_dim * (s.conv_kernel + 1)  # the convolution and its bias
+        if s.version == 1:  # x_proj, dt_proj and its bias, A (I x N), D
+            small += s.inner * (s.dt_rank + 2 * s.state_size) + s.inner * (s.dt_rank + 1) \
+                + s.inner * s.state_size + s.inner
+        else:  # dt_bias, A and D per head; the gated norm
+            small += 3 * s.num_heads + s.inner
         matmuls += len(args.ssm_layers) * (proj + s.inner * d)
         norms += len(args.ssm_layers) * small
     return int(matmuls * per_weight + table + head + norms * 4)

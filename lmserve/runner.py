@@ -56,7 +56,11 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []  # flat index of each token whose logits are wanted
+        runs: list[StateRun] = []  # the recurrent layers' view of each sequence
         for s in step.seqs:
+            if self.states is not None:
+                runs.append(StateRun(len(input_ids), len(s.token_ids), s.state_slot, s.start == 0,
+                                     s.history_slots))
             input_ids += s.token_ids
             positions += s.positions()
             rows += range(len(input_ids) - s.num_logits, len(input_ids))
@@ -64,11 +68,7 @@ class ModelRunner:
         state_meta = None
         if self.states is not None:
             self.states.copy(step.state_copies)
-            offsets = [0]
-            for s in step.seqs:
-                offsets.append(offsets[-1] + len(s.token_ids))
-            state_meta = StateMeta([StateRun(o, len(s.token_ids), s.state_slot, s.start == 0,
-                                             s.history_slots) for o, s in zip(offsets, step.seqs)])
+            state_meta = StateMeta(runs)
         trees = [s.tree_masks() for s in step.seqs]
         attn_in = AttentionInput(
             query_lens=[len(s.token_ids) for s in step.seqs],
