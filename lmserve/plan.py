@@ -23,6 +23,7 @@ from lmserve.cache.kv import kv_bytes_per_head
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.models.args import ModelArgs
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K
+from lmserve.spec.eagle_heads import eagle_heads_bytes
 from lmserve.spec.medusa import medusa_heads_bytes
 from lmserve.spec.tree import MAX_TREE_TOKENS
 from lmserve.state_plan import StatePlan, batch_that_fits, plan_state
@@ -115,7 +116,7 @@ class EnginePlan:
               if self.state else []),
             ("workspace", _gib(m.workspace)),
             ("runtime_margin", _gib(m.margin)),
-            *([("medusa_heads" if self.speculative.startswith("medusa") else "draft_model",
+            *([(_DRAFT_ROWS.get(self.speculative.split(" ")[0].rstrip(","), "draft_model"),
                 f"{_gib(m.draft)} of the weights and KV cache above")] if m.draft else []),
             ("expected_memory", f"{_gib(m.total)} of a {_gib(m.budget)} budget "
                                 f"({_gib(m.device)} device)"),
@@ -139,12 +140,20 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     util = config.gpu_memory_utilization or DEFAULT_MEMORY_UTILIZATION
     budget = int(util * device)
     models = [(args, opt)]
-    if draft_args is not None:
-        models.append((draft_args, parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT)))
+    eagle = config.speculative_mode == "eagle"
+    if draft_args is not None:  # an EAGLE head's layer keeps KV and attends as the target does
+        models.append((draft_args, opt if eagle else parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT)))
     kv_dtypes = [_kv_dtype(a, o, config.kv_cache_page_size) for a, o in models]
-    weights = sum(weight_bytes(a, o.weight_dtype, o.act_dtype) for a, o in models)
-    heads = medusa_heads_bytes(config.additional_models[0]) if config.speculative_mode == "medusa" else 0
-    weights += heads
+    # Heads on the target's hidden states: their files' tensors (an EAGLE head's layer is
+    # ``draft_args``, which shares the target's embedding and head).
+    heads = 0
+    if config.speculative_mode in ("medusa", "eagle"):
+        try:
+            heads = (eagle_heads_bytes if eagle else medusa_heads_bytes)(config.additional_models[0])
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"additional_models[0]: {err}") from None
+    weights = heads + sum(weight_bytes(a, o.weight_dtype, o.act_dtype)
+                          for a, o in models[: 1 if eagle else None])
     kv_per_token = sum(_kv_per_token(a, d) for (a, _), d in zip(models, kv_dtypes))
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
     context = min(a.context_length for a, _ in models)
@@ -214,8 +223,8 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     state = plan_state(config, args, batch)
     draft = heads
     if draft_args is not None:
-        draft = (weight_bytes(draft_args, models[1][1].weight_dtype, models[1][1].act_dtype)
-                 + num_pages * page * _kv_per_token(draft_args, kv_dtypes[1]))
+        draft = (heads or weight_bytes(draft_args, models[1][1].weight_dtype, models[1][1].act_dtype)) \
+            + num_pages * page * _kv_per_token(draft_args, kv_dtypes[1])
     memory = MemoryPlan(device, budget, weights, kv_per_token, num_pages * page * kv_per_token,
                         workspace, margin, draft, state.bytes if state else 0)
     if window is not None and config.speculative_mode != "disable":
@@ -267,6 +276,10 @@ def _kv_per_token(args: ModelArgs, kv_dtype: str) -> int:
     return len(args.attention_layers) * args.num_kv_heads * kv_bytes_per_head(args.head_dim, kv_dtype)
 
 
+# The plan's row for a drafter's own memory, by speculative mode.
+_DRAFT_ROWS = {"medusa": "medusa_heads", "eagle": "eagle_head"}
+
+
 def _speculative(config: EngineConfig, models: list[tuple[ModelArgs, OptFlags]]) -> str:
     if config.speculative_mode == "disable":
         return "off"
@@ -276,7 +289,9 @@ def _speculative(config: EngineConfig, models: list[tuple[ModelArgs, OptFlags]])
         length = (f"a tree of {config.spec_tree_width} candidates per depth, "
                   f"{length.replace('draft tokens', 'deep')}")
     mode = config.speculative_mode
-    if len(models) > 1:
+    if mode == "eagle":
+        mode += " (a one-layer head in float32 on the model's hidden states)"
+    elif len(models) > 1:
         draft, draft_opt = models[1]
         mode += (f" ({draft.architecture}, {draft.num_layers} layers, weights "
                  f"{draft_opt.weight_dtype})")

@@ -47,12 +47,18 @@ class ModelRunner:
         self.windowed = tuple(window is not None and i in layers for i in range(num_layers))
         self.rotary = model.rotary(max_positions, device)
         self.last_hidden: Optional[torch.Tensor] = None  # the last step's, of its logit rows
+        # What drafters on the target's hidden states draft from, kept for every token of the
+        # last step (``features``): None, nothing; (), the final hidden states (Medusa,
+        # EAGLE-1/2); layer ids, those layers' inputs side by side (EAGLE-3).
+        self.feature_layers: Optional[tuple[int, ...]] = None
+        self.features: Optional[torch.Tensor] = None  # (T, F)
         self.layer_calls = model.layer_calls(backend, ops, kv, self.windowed,
                                              window is not None and window.sinks > 0)
 
-    def execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: StepInput, features: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``(step.num_logits, V)``: each sequence's rows, for its last ``num_logits``
-        tokens in order, sequences in step order."""
+        tokens in order, sequences in step order. ``features``: a row per token of the step, for
+        a model that reads them beside the tokens (an EAGLE draft)."""
         input_ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []  # flat index of each token whose logits are wanted
@@ -98,13 +104,18 @@ class ModelRunner:
             states=self.states,
             state_meta=state_meta,
             ssm_kernels=self.ssm_kernels,
+            capture=self.feature_layers or (),
         )
-        hidden = self.model.forward(torch.tensor(input_ids, device=self.device), ctx)  # (T, D)
+        ids = torch.tensor(input_ids, device=self.device)
+        hidden = self.model.forward(ids, ctx) if features is None else \
+            self.model.forward(ids, ctx, features)  # (T, D)
+        if self.feature_layers is not None:
+            self.features = torch.cat([ctx.captured[i] for i in self.feature_layers], dim=-1) \
+                if self.feature_layers else hidden
         if not rows:
             self.last_hidden = hidden.new_empty((0, 0))
             return self.last_hidden
-        # The final hidden state of each logit row: what drafters on the target's hidden states
-        # (Medusa) draft from, without a second pass.
+        # The hidden state of each logit row (an EAGLE draft's next input).
         self.last_hidden = hidden[torch.tensor(rows, device=self.device)]  # (R, D)
         return self.model.logits(self.last_hidden)  # (R, V)
 

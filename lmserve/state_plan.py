@@ -61,10 +61,10 @@ def check_state_kind(config: EngineConfig, args: ModelArgs) -> None:
         return
     if config.sliding_window_size is not None:
         raise ValueError(f"sliding_window_size is not supported on {name}, which has recurrent layers")
-    if config.speculative_mode == "small_draft":
-        raise ValueError(f"speculative_mode='small_draft' is not supported on {name}, which has "
-                         f"recurrent layers (the draft model's KV shares the target's pages); "
-                         f"use speculative_mode='ngram'")
+    if config.speculative_mode in ("small_draft", "eagle"):
+        raise ValueError(f"speculative_mode={config.speculative_mode!r} is not supported on "
+                         f"{name}, which has recurrent layers (the draft's KV shares the target's "
+                         f"pages); use speculative_mode='ngram' or 'medusa'")
     if config.speculative_mode != "disable" and config.spec_tree_width > 1:
         raise ValueError(f"spec_tree_width={config.spec_tree_width}: draft trees are not supported "
                          f"on {name}, whose recurrent state follows one chain of tokens")

@@ -16,7 +16,6 @@ _NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model_lib", lambda v: v is not None, "ahead-of-time compiled model libraries"),
     ("tensor_parallel_shards", lambda v: v is not None and v > 1, "tensor parallelism"),
     ("pipeline_parallel_stages", lambda v: v is not None and v > 1, "pipeline parallelism"),
-    ("speculative_mode", lambda v: v == "eagle", "EAGLE speculative decoding"),
     ("additional_models", lambda v: any(isinstance(m, tuple) for m in v),
      "compiled libraries of additional models (model_lib)"),
 )

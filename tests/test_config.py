@@ -304,6 +304,7 @@ def test_default_config_is_supported():
         {"speculative_mode": "ngram", "spec_draft_length": 5},
         {"speculative_mode": "ngram", "spec_draft_length": 4, "spec_tree_width": 3},
         {"speculative_mode": "ngram", "spec_draft_length": 64},  # a chain has no 64-token limit
+        {"speculative_mode": "eagle", "additional_models": ["head"]},
         {"sliding_window_size": 512},
         {"sliding_window_size": 512, "attention_sink_size": 4},
     ],
@@ -316,7 +317,6 @@ UNBUILT = [
     ({"model_lib": "model.so"}, "model_lib"),
     ({"tensor_parallel_shards": 2}, "tensor_parallel_shards"),
     ({"pipeline_parallel_stages": 2}, "pipeline_parallel_stages"),
-    ({"speculative_mode": "eagle", "additional_models": ["d"]}, "speculative_mode"),
     ({"speculative_mode": "small_draft", "additional_models": [("d", "d.so")]}, "additional_models"),
 ]
 

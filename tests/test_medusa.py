@@ -130,9 +130,9 @@ def test_medusa_keeps_greedy_and_seeded_output_in_company(target, heads_kind, wi
         # from (greedy: that row's argmax), also when the accepted path of a tree moved.
         sampled_from, append = {}, core._append
 
-        def observe(seq, hidden):
-            sampled_from[seq] = int(core.runner.model.logits(hidden[None]).argmax())
-            MedusaDrafter.observe(seq, hidden)
+        def observe(seq, start, hidden):
+            sampled_from[seq] = int(core.runner.model.logits(hidden[-1:]).argmax())
+            MedusaDrafter.observe(seq, start, hidden)
 
         def checked_append(new_tokens):
             for seq, token_ids, _ in new_tokens:

@@ -26,6 +26,8 @@ from lmserve.protocol import InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.sampler import SampleResult, SamplingBatch, sample
 from lmserve.spec.draft_model import read_draft_model
+from lmserve.spec.eagle import build_eagle_runner
+from lmserve.spec.eagle_heads import read_eagle_head
 from lmserve.spec.speculator import SpecCounters, make_speculator
 from lmserve.sampling_params import SamplingParams
 from lmserve.scheduler import Batch, Scheduler
@@ -60,7 +62,8 @@ class EngineCore:
         self.model_path = path
         self.args = read_model_args(path)
         draft_path, draft_args = read_draft_model(config, self.args)
-        self.plan = make_plan(config, self.args, draft_args=draft_args)
+        eagle = read_eagle_head(config, self.args)
+        self.plan = make_plan(config, self.args, draft_args=draft_args or (eagle and eagle.args))
         opt = parse_opt(config.opt)
         self.device = torch.device("cpu")
 
@@ -76,6 +79,9 @@ class EngineCore:
                 draft_plan = dataclasses.replace(draft_plan, window=window, window_layers=layers)
             self.draft_runner = build_worker(draft_path, draft_args, draft_plan,
                                              parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT), self.device)
+        elif eagle is not None:  # an EAGLE head: its layer's KV over the same page ids
+            self.draft_runner = build_eagle_runner(eagle, self.runner, self.plan, opt.attention,
+                                                   self.device)
         self.tokenizer = Tokenizer.from_model(path)
         plan = self.plan
         self.pool = PagePool(plan.num_pages)
@@ -86,6 +92,8 @@ class EngineCore:
                                          states=self._make_state_manager(plan),
                                          paged=plan.num_pages > 0)
         self.speculator = make_speculator(config, plan, self.args, self.draft_runner)
+        if self.speculator is not None:
+            self.runner.feature_layers = self.speculator.feature_layers
         self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
                                    config.prefill_mode,
                                    self.speculator.lookahead if self.speculator else None)
@@ -216,6 +224,8 @@ class EngineCore:
             self.speculator.propose(batch)
         logits = self.runner.execute(batch.step_input())
         new_tokens = self._sample(batch, logits)
+        if self.runner.feature_layers is not None:
+            self._observe(batch)
         self._move_accepted_kv(batch)
         outputs = self._append(new_tokens)
         self.scheduler.update(batch)
@@ -275,13 +285,22 @@ class EngineCore:
         for c in chunks:
             c.accepted = c.draft.accept(sampled[row : row + len(c.draft) + 1])
             kept = [row] + [row + 1 + node for node in c.accepted]  # rows after each new token
-            if self.speculator is not None and self.speculator.uses_hidden:
-                self.speculator.drafter.observe(c.seq, self.runner.last_hidden[kept[-1]])
             logprobs = [_logprob(result, r, c.seq.request.params) for r in kept]
             new.append(_NewTokens(c.seq, [sampled[r] for r in kept],
                                   None if logprobs[0] is None else logprobs))
             row += len(c.draft) + 1
         return new
+
+    def _observe(self, batch: Batch) -> None:
+        """Hand a drafter on the target's hidden states (Medusa, EAGLE) the features of each
+        chunk's verified tokens (its tokens run and the drafts accepted), from the step just run:
+        no second pass."""
+        offset, features = 0, self.runner.features
+        for c in batch.chunks:
+            rows = list(range(offset, offset + c.num_tokens))
+            rows += [offset + c.num_tokens + node for node in c.accepted]
+            self.speculator.drafter.observe(c.seq, c.seq.num_computed, features[rows])
+            offset += c.num_tokens + len(c.draft)
 
     def _move_accepted_kv(self, batch: Batch) -> None:
         """Put the KV of accepted draft-tree paths at the positions of their depths."""

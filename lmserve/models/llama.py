@@ -10,7 +10,7 @@ recurrent layers: which slots hold their state, ``ForwardContext.state_meta``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -47,6 +47,10 @@ class ForwardContext:
     states: Optional[StateCache] = None  # the recurrent layers' state slots
     state_meta: Optional[StateMeta] = None  # which slots this step's sequences read and write
     ssm_kernels: Optional[SSMKernels] = None  # the recurrent layers' C++ decode kernels
+    # Layers whose input (the residual stream before they run) ``forward`` keeps in
+    # ``captured``, for drafters on the target's inner hidden states (EAGLE-3).
+    capture: tuple[int, ...] = ()
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -217,11 +221,13 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states ``(T, D)`` after the final norm for the flat batch ``input_ids (T,)``."""
         x = self.embed[input_ids].float()  # (T, D) float32 residual stream, updated in place
-        if ctx.layer_calls is not None:
+        if ctx.layer_calls is not None and not ctx.capture:
             delta = ctx.layer_calls.run(x, ctx)
         else:
             delta = None
             for i, layer in enumerate(self.layers):
+                if i in ctx.capture:
+                    ctx.captured[i] = x.clone() if delta is None else x + delta.float()
                 delta = layer(x, delta, ctx, i)
         return ctx.ops.add_rms_norm(x, delta, self.norm, self.args.rms_norm_eps, self.dtype)
 

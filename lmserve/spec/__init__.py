@@ -8,5 +8,9 @@
 * ``ngram.py``: ``NgramDrafter``, prompt lookup: the tokens that followed the latest earlier
   occurrences of the sequence's last few tokens.
 * ``draft_model.py``: ``DraftModelDrafter``, a small draft model's greedy drafts.
+* ``medusa.py``: ``MedusaDrafter``, Medusa heads on the target's final hidden state.
+* ``eagle.py``: ``EagleDrafter``, an EAGLE head (one layer with its own paged KV) on the
+  target's hidden states; ``eagle_heads.py`` reads the published layouts.
+* ``head_nets.py``: both kinds of head as trainable modules under their published names.
 * ``adaptive.py``: ``AdaptiveDraftLength``, the draft length that gives the most tokens a second.
 """

@@ -176,15 +176,18 @@ class MedusaDrafter:
     """Drafts from Medusa heads on the hidden state of each sequence's newest token, which the
     engine hands over after sampling (``observe``); ``width`` candidates per depth for a tree."""
 
+    feature_layers = ()  # the target's final hidden states
+
     def __init__(self, heads: MedusaHeads, width: int = 1) -> None:
         self.heads = heads
         self.width = width
 
     @staticmethod
-    def observe(seq: Sequence, hidden: torch.Tensor) -> None:
-        """The final hidden state ``(D,)`` the newest token of ``seq`` was sampled from (kept as
-        the sequence's draft state, so it goes with the sequence)."""
-        seq.draft_state = hidden.clone()  # not a view keeping the step's rows alive
+    def observe(seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """The final hidden states ``(n, D)`` of the tokens of ``seq`` from position ``start``
+        that a step verified: the last is the one its newest token was sampled from (kept as the
+        sequence's draft state, so it goes with the sequence)."""
+        seq.draft_state = hidden[-1].clone()  # not a view keeping the step's rows alive
 
     def offer(self, seq: Sequence, cap: int) -> int:
         return min(cap, len(self.heads)) if seq.draft_state is not None else 0

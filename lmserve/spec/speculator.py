@@ -30,6 +30,7 @@ from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength
 from lmserve.runner import ModelRunner
 from lmserve.spec.draft_model import DraftModelDrafter
+from lmserve.spec.eagle import EagleDrafter
 from lmserve.spec.medusa import MedusaDrafter, read_medusa_heads
 from lmserve.spec.ngram import NgramDrafter
 
@@ -72,9 +73,10 @@ class Speculator:
         self.max_k = k or MAX_ADAPTIVE_K
         self.max_sequence_length = max_sequence_length
         self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
-        # The drafter drafts from the target's final hidden state of each newest token, which
-        # the engine hands it after sampling (``observe``).
-        self.uses_hidden = hasattr(drafter, "observe")
+        # A drafter on the target's hidden states (Medusa, EAGLE) names the ones it needs (see
+        # ``ModelRunner.feature_layers``); the engine hands it those of each step's verified
+        # tokens (``observe``).
+        self.feature_layers: Optional[tuple[int, ...]] = getattr(drafter, "feature_layers", None)
         self._depths: dict[Sequence, int] = {}  # this step's, from ``lookahead``
 
     def lookahead(self, seqs: list[Sequence], with_prefill: bool = False) -> list[int]:
@@ -141,7 +143,7 @@ class Speculator:
 def make_speculator(config: EngineConfig, plan: EnginePlan, target: ModelArgs,
                     draft_runner: Optional[ModelRunner] = None) -> Optional[Speculator]:
     """The config's speculative decoding, or None when it is off. ``draft_runner``: the draft
-    model's worker, for ``small_draft``; ``target``: the model (Medusa heads must fit it)."""
+    model's worker, for ``small_draft``, or the EAGLE head's; ``target``: the model (Medusa heads must fit it)."""
     if config.speculative_mode == "disable":
         return None
     width = config.spec_tree_width
@@ -157,6 +159,8 @@ def make_speculator(config: EngineConfig, plan: EnginePlan, target: ModelArgs,
                              "which a model with recurrent layers cannot verify: its state follows "
                              "one chain of tokens")
         drafter = MedusaDrafter(heads, width)
+    elif config.speculative_mode == "eagle":
+        drafter = EagleDrafter(draft_runner, draft_runner.model.aux_layers, plan.prefill_chunk_size, width)
     else:
         drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size, width, plan.bounded)
     return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length)

@@ -1,0 +1,243 @@
+"""EAGLE drafting (``speculative_mode="eagle"``): a one-layer head on the target's hidden states.
+
+At position ``p`` the head reads the target's feature ``f_p`` (its final hidden state, or for
+EAGLE-3 three inner ones side by side) and the next token ``x_{p+1}``, and predicts the feature
+at ``p + 1``, whose head logits draft ``x_{p+2}``. Drafting goes on from its own predictions: the
+pair (draft token, predicted feature) at the next position, one pass per depth for all drafting
+sequences together. The head has its own paged KV for its layer (``build_eagle_runner``), indexed
+by the target's page ids as a draft model's is (``KVCacheManager(with_draft=True)``).
+
+The features come from the target's own passes (``ModelRunner.feature_layers``): the engine hands
+the drafter those of every verified token (``observe``), kept per sequence until the head has
+run them. ``Sequence.num_draft_computed`` counts the positions whose head KV was computed from
+the target's true features; positions written from predicted ones while drafting are not
+counted, and are written again from the true features once verified (EAGLE's own scheme). The
+head lags the target by one token (position ``p`` needs ``x_{p+1}``). A sequence whose features
+pile up while it does not draft (prefill chunks, adaptive steps without drafts) has them run
+once ``CATCH_UP_TOKENS`` wait, so they never hold much memory. Drafts are the head's best tokens
+(deterministic, q = 1; ``spec_tree_width`` > 1 adds the next best at each depth as leaves), so
+verification needs no draft probabilities (see ``speculator``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from lmserve.attention import resolve_attention
+from lmserve.attention.base import AttentionShape, create_backend
+from lmserve.cache.kv import KV_DTYPES, KVCache
+from lmserve.layers.fused import TorchOps
+from lmserve.layers.linear import make_linear
+from lmserve.layers.rotary import RotaryEmbedding
+from lmserve.plan import EnginePlan
+from lmserve.request import Sequence
+from lmserve.runner import ModelRunner
+from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.spec.eagle_heads import EagleHeads
+from lmserve.spec.tree import DraftTree
+from lmserve.step import SeqStep, StepInput
+
+# Features a sequence may hold before the head runs them, drafting or not.
+CATCH_UP_TOKENS = 64
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class EagleModel:
+    """The head's layer in float32 over the target's embedding and (EAGLE-1/2) head, run by a
+    ``ModelRunner`` like any model; ``forward`` also takes the features of the step's tokens."""
+
+    def __init__(self, heads: EagleHeads, target) -> None:
+        """``target``: the target's ``LlamaModel`` (its embedding and head are shared)."""
+        self.args, self.version, self.target = heads.args, heads.version, target
+        self.aux_layers = heads.aux_layers  # the target's features it reads (see EagleHeads)
+        t = heads.tensors
+        self.fc = make_linear([t["fc.weight"]], t.get("fc.bias"), "float32")
+        attn = "layer.self_attn."
+        biases = [t.get(f"{attn}{p}_proj.bias") for p in "qkv"]
+        bias = None if all(b is None for b in biases) else torch.cat([
+            b if b is not None else torch.zeros(t[f"{attn}{p}_proj.weight"].shape[0])
+            for p, b in zip("qkv", biases)])
+        self.qkv = make_linear([t[f"{attn}{p}_proj.weight"] for p in "qkv"], bias, "float32")
+        self.o = make_linear([t[attn + "o_proj.weight"]], t.get(attn + "o_proj.bias"), "float32")
+        self.gate_up = make_linear([t["layer.mlp.gate_proj.weight"], t["layer.mlp.up_proj.weight"]],
+                                   None, "float32")
+        self.down = make_linear([t["layer.mlp.down_proj.weight"]], None, "float32")
+        self.input_norm = t.get("layer.input_layernorm.weight")  # EAGLE-1/2: usually none
+        self.hidden_norm = t.get("layer.hidden_norm.weight")  # EAGLE-3
+        self.post_norm = t["layer.post_attention_layernorm.weight"]
+        self.norm = t.get("norm.weight")
+        self.lm_head = t.get("lm_head.weight")  # EAGLE-3's, over its draft vocabulary
+        self.draft_to_target = heads.draft_to_target
+        self.eps = self.args.rms_norm_eps
+
+    def layer_calls(self, *args, **kwargs) -> None:
+        return None  # torch ops only: the layer is small beside the target
+
+    def rotary(self, max_positions: int, device: torch.device) -> RotaryEmbedding:
+        a = self.args
+        return RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, ctx, features: torch.Tensor) -> torch.Tensor:
+        """The head's hidden states ``(T, D)`` (before its final norm) for tokens ``(T,)`` and the
+        features ``(T, F)`` they follow: the target's (F = 2D for EAGLE-1/2's input, 3D for
+        EAGLE-3's) or the head's own predictions (D)."""
+        emb = self.target.embed[input_ids].float()
+        f = features.float()
+        if self.version == 1:
+            x = self.fc(torch.cat([emb, f], dim=-1))
+            h = x if self.input_norm is None else _rms_norm(x, self.input_norm, self.eps)
+        else:
+            x = self.fc(f) if f.shape[-1] != self.args.hidden_size else f.clone()
+            h = torch.cat([_rms_norm(emb, self.input_norm, self.eps),
+                           _rms_norm(x, self.hidden_norm, self.eps)], dim=-1)
+        attn = ctx.backend.forward(ctx.attn_meta, self.qkv(h), ctx.cos, ctx.sin, ctx.kv.k[0],
+                                   ctx.kv.v[0], windowed=bool(ctx.windowed) and ctx.windowed[0])
+        x = x + self.o(attn).float()
+        gate, up = self.gate_up(_rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up).float()
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``(S, V)`` over the target's vocabulary (EAGLE-3: tokens outside its
+        draft vocabulary get -inf)."""
+        h = hidden if self.norm is None else _rms_norm(hidden, self.norm, self.eps)
+        if self.lm_head is None:
+            return self.target.logits(h.to(self.target.dtype))
+        logits = h @ self.lm_head.t()
+        if self.draft_to_target is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.target.args.vocab_size), float("-inf"))
+        full[:, self.draft_to_target] = logits
+        return full
+
+
+def build_eagle_runner(heads: EagleHeads, target: ModelRunner, plan: EnginePlan,
+                       attention: str, device: torch.device) -> ModelRunner:
+    """The head's runner: its model, and a one-layer KV cache over the plan's pages (the
+    target's page ids) in the plan's draft KV type, attending as ``attention`` asks."""
+    args = heads.args
+    shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
+    kv_dtype = KV_DTYPES[plan.draft_kv_dtype or plan.kv_dtype]
+    backend = create_backend(resolve_attention(attention, shape, kv_dtype), shape)
+    kv = KVCache(1, plan.num_pages, plan.page_size, args.num_kv_heads, args.head_dim, kv_dtype,
+                 device, backend.keys_transposed)
+    positions = min(plan.max_single_sequence_length, args.context_length)
+    return ModelRunner(EagleModel(heads, target.model), kv, backend, TorchOps(), positions, device,
+                       window=plan.window if plan.bounded else None)
+
+
+@dataclass
+class _Pending:
+    """A sequence's target features not yet run by the head: rows for positions from ``start``."""
+
+    start: int
+    features: torch.Tensor  # (n, F)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.features)
+
+
+class EagleDrafter:
+    """Greedy drafts from an EAGLE head's runner, with the ``width`` best tokens at each depth
+    (the best continue the chain); at most ``max_pass_tokens`` tokens a pass."""
+
+    def __init__(self, runner: ModelRunner, aux_layers: tuple[int, ...], max_pass_tokens: int,
+                 width: int = 1) -> None:
+        self.runner = runner
+        self.feature_layers = aux_layers  # (): the target's final hidden states
+        self.max_pass_tokens = max_pass_tokens
+        self.width = width
+
+    @staticmethod
+    def observe(seq: Sequence, start: int, features: torch.Tensor) -> None:
+        """The target's features of the tokens of ``seq`` from position ``start`` that a step
+        verified; kept (as the sequence's draft state) until the head runs them."""
+        pending: Optional[_Pending] = seq.draft_state
+        if pending is not None and pending.end == start:
+            seq.draft_state = _Pending(pending.start, torch.cat([pending.features, features]))
+        else:  # the first, or after a preemption or a reused prefix: the head restarts there
+            seq.draft_state = _Pending(start, features.clone())
+
+    def offer(self, seq: Sequence, cap: int) -> int:
+        pending: Optional[_Pending] = seq.draft_state
+        # The head drafts from the feature of the token before the newest (x_n follows f_{n-1}).
+        ready = pending is not None and pending.start <= seq.num_draft_computed \
+            and pending.end == len(seq.token_ids) - 1
+        return cap if ready else 0
+
+    def num_nodes(self, seq: Sequence, depth: int) -> int:
+        return depth * self.width
+
+    def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
+        drafting = [c for c, depth in depths.items() if depth]
+        lagging = [c for c in batch.chunks if c not in depths and _backlog(c.seq) >= CATCH_UP_TOKENS]
+        levels: dict[ScheduledChunk, list[list[int]]] = {}
+        hidden: dict[ScheduledChunk, torch.Tensor] = {}
+        for c, (candidates, h) in self._catch_up(drafting + lagging, set(drafting)).items():
+            levels[c], hidden[c] = [candidates], h
+        drafting = [c for c in drafting if c in levels]
+        for depth in range(1, max((depths[c] for c in drafting), default=0)):
+            deeper = [c for c in drafting if depths[c] > depth]
+            # The head's own prediction at the previous position, with the token it drafted.
+            steps = [SeqStep(start=c.seq.num_draft_computed + depth - 1, token_ids=[levels[c][-1][0]],
+                             page_table=list(c.seq.pages), num_logits=1) for c in deeper]
+            features = torch.stack([hidden[c] for c in deeper])
+            logits = self.runner.execute(StepInput(steps), features)
+            top = logits.topk(self.width, dim=-1).indices.tolist()
+            for i, c in enumerate(deeper):
+                levels[c].append(top[i])
+                hidden[c] = self.runner.last_hidden[i]
+        for c in drafting:
+            c.draft = DraftTree.from_candidates(levels[c], c.num_lookahead)
+
+    def _catch_up(self, chunks: list[ScheduledChunk], drafting: set[ScheduledChunk]
+                  ) -> dict[ScheduledChunk, tuple[list[int], torch.Tensor]]:
+        """Run each chunk's pending features through the head, in passes of at most
+        ``max_pass_tokens``; returns, for each ``drafting`` chunk, the head's best tokens after
+        its newest token and its hidden state there (the first draft and its feature)."""
+        first = {}
+        while pending := [c for c in chunks if _backlog(c.seq)]:
+            steps, ran, budget = [], [], self.max_pass_tokens
+            for c in pending:
+                seq, state = c.seq, c.seq.draft_state
+                start = seq.num_draft_computed
+                n = min(_backlog(seq), budget)
+                if n <= 0:
+                    break
+                wants = c in drafting and n == _backlog(seq)
+                rows = state.features[start - state.start : start - state.start + n]
+                steps.append((SeqStep(start=start, token_ids=seq.token_ids[start + 1 : start + 1 + n],
+                                      page_table=list(seq.pages), num_logits=1 if wants else 0), rows))
+                ran.append(c)
+                budget -= n
+            logits = self.runner.execute(StepInput([s for s, _ in steps]),
+                                         torch.cat([rows for _, rows in steps]))
+            top = logits.topk(self.width, dim=-1).indices.tolist() if logits.numel() else []
+            row = 0
+            for c, (step, _) in zip(ran, steps):
+                seq, state = c.seq, c.seq.draft_state
+                seq.num_draft_computed += len(step.token_ids)
+                offset = seq.num_draft_computed - state.start
+                seq.draft_state = _Pending(seq.num_draft_computed, state.features[offset:])
+                if step.num_logits:
+                    first[c] = (top[row], self.runner.last_hidden[row])
+                    row += 1
+        return first
+
+
+def _backlog(seq: Sequence) -> int:
+    """Positions the head can run now: from its count up to the token before the newest, with
+    the target's features at hand."""
+    state: Optional[_Pending] = seq.draft_state
+    if state is None or state.start > seq.num_draft_computed:
+        return 0
+    return max(0, min(state.end, len(seq.token_ids) - 1) - seq.num_draft_computed)

@@ -1,0 +1,209 @@
+"""EAGLE heads: the published layouts (EAGLE-1/2 and EAGLE-3) load (bad ones are refused by
+name), the engine's paged head computes what a plain PyTorch head does, and drafting from it
+never changes the output."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import generate_tokens, run_concurrently, wait_idle
+from lmserve import Engine, SamplingParams
+from lmserve.config import EngineConfig
+from lmserve.layers.rotary import RotaryEmbedding
+from lmserve.models.loader import read_model_args
+from lmserve.plan import make_plan
+from lmserve.spec.eagle import EagleDrafter
+from lmserve.spec.eagle_heads import eagle_layer_args, read_eagle_heads
+from lmserve.spec.head_nets import EagleNet
+from lmserve.step import SeqStep, StepInput
+from tiny_models import make_hf_llama
+
+HIDDEN, LAYERS, DRAFT_VOCAB = 64, 6, 512
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def eagle_net(args, version: int, seed: int = 0) -> EagleNet:
+    """A random head that mostly passes the target's feature through (so that it drafts tokens
+    the model likes): ``fc`` near the identity on the feature, small attention and MLP."""
+    layer_args = eagle_layer_args({}, args)
+    g = torch.Generator().manual_seed(seed)
+    net = EagleNet(layer_args, version, draft_vocab_size=DRAFT_VOCAB if version == 3 else 0)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.copy_(0.01 * torch.randn(p.shape, generator=g))
+        d = HIDDEN
+        net.fc.weight[:, -d:] += torch.eye(d)  # the feature (EAGLE-3: the last aux layer's)
+    return net
+
+
+def write_head(directory, net: EagleNet, target_args, aux=None, fmt="safetensors", extra=None) -> str:
+    """``net`` as SafeAILab publishes it: a one-layer Llama config.json and the weights."""
+    directory.mkdir(parents=True, exist_ok=True)
+    a = net.args
+    config = {"architectures": ["LlamaForCausalLMEagle3" if net.version == 3 else "LlamaForCausalLM"],
+              "hidden_size": a.hidden_size, "intermediate_size": a.intermediate_size,
+              "num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads,
+              "num_hidden_layers": 1, "rms_norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta,
+              "vocab_size": target_args.vocab_size}
+    tensors = {n: t.detach().clone().contiguous() for n, t in net.state_dict().items()}
+    if net.version == 3:
+        config["draft_vocab_size"] = DRAFT_VOCAB
+        if aux is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+        # The draft vocabulary: every fourth token of the target's, as d2t offsets.
+        ids = torch.arange(DRAFT_VOCAB) * 4
+        tensors["d2t"] = ids - torch.arange(DRAFT_VOCAB)
+        t2d = torch.zeros(target_args.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        tensors["t2d"] = t2d
+    tensors |= extra or {}
+    (directory / "config.json").write_text(json.dumps(config))
+    if fmt == "safetensors":
+        save_file(tensors, str(directory / "model.safetensors"))
+    else:
+        torch.save(tensors, str(directory / "pytorch_model.bin"))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny random Llama model and EAGLE heads for it in each layout."""
+    root = tmp_path_factory.mktemp("eagle")
+    model_dir = make_hf_llama(str(root / "model"), hidden_size=HIDDEN, num_layers=LAYERS, seed=5)
+    args = read_model_args(model_dir)
+    nets = {1: eagle_net(args, 1), 3: eagle_net(args, 3, seed=1)}
+    heads = {"eagle1": write_head(root / "eagle1", nets[1], args),
+             "eagle1_bin": write_head(root / "eagle1_bin", nets[1], args, fmt="bin"),
+             "eagle3": write_head(root / "eagle3", nets[3], args),
+             "eagle3_aux": write_head(root / "eagle3_aux", nets[3], args, aux=[0, 2, 4])}
+    return model_dir, args, nets, heads
+
+
+def test_the_published_layouts_load_and_are_checked(target, tmp_path):
+    model_dir, args, nets, heads = target
+    one, bin_, three = (read_eagle_heads(heads[k], args) for k in ("eagle1", "eagle1_bin", "eagle3"))
+    assert (one.version, one.aux_layers, three.version) == (1, (), 3)
+    assert one.tensors.keys() == bin_.tensors.keys() and "fc.bias" in one.tensors
+    prefixed = tmp_path / "prefixed"
+    write_head(prefixed, nets[1], args)
+    save_file({"model." + n: t.contiguous() for n, t in nets[1].state_dict().items()},
+              str(prefixed / "model.safetensors"))
+    assert read_eagle_heads(str(prefixed), args).tensors.keys() == one.tensors.keys()
+    assert three.aux_layers == (2, LAYERS // 2, LAYERS - 3)  # vLLM's choice without a config
+    assert read_eagle_heads(heads["eagle3_aux"], args).aux_layers == (0, 2, 4)
+    assert three.draft_to_target.tolist() == list(range(0, 4 * DRAFT_VOCAB, 4))
+    # The plan counts the head's tensors (float32) and its layer's KV beside the target's.
+    plan = make_plan(EngineConfig(speculative_mode="eagle", additional_models=[heads["eagle1"]]),
+                     args, draft_args=one.args)
+    weights = sum(t.numel() for t in nets[1].state_dict().values()) * 4
+    assert plan.memory.draft > weights and "eagle_head" in plan.describe()
+    state = {n: t.detach().clone() for n, t in nets[1].state_dict().items()}
+    cases = [
+        (dict(state, **{"fc.weight": torch.zeros(HIDDEN, HIDDEN)}), r"'fc.weight' is \(64, 64\)"),
+        ({n: t for n, t in state.items() if "k_proj" not in n}, "lacks the EAGLE-1 tensors layer.self_attn.k_proj"),
+        (dict(state, **{"layers.0.extra.weight": torch.zeros(1)}), "'layer.extra.weight'"),
+    ]
+    for i, (tensors, message) in enumerate(cases):
+        directory = tmp_path / str(i)
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({"hidden_size": HIDDEN, "num_attention_heads": 4,
+                                                            "num_key_value_heads": 2, "intermediate_size": 128}))
+        save_file(tensors, str(directory / "model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            read_eagle_heads(str(directory), args)
+    with pytest.raises(ValueError, match="hidden size is 32, the model's 64"):
+        (tmp_path / "0" / "config.json").write_text(json.dumps({"hidden_size": 32, "num_attention_heads": 4}))
+        read_eagle_heads(str(tmp_path / "0"), args)
+    with pytest.raises(FileNotFoundError, match=r"additional_models\[0\]"):
+        Engine(model=model_dir, speculative_mode="eagle", additional_models=[str(tmp_path)], verbose=False)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+@torch.inference_mode()
+def test_the_paged_head_computes_what_the_plain_one_does(target, version):
+    """The engine's head over paged KV, in two passes, against ``EagleNet`` on the whole
+    sequence: the same hidden states and logits."""
+    model_dir, args, nets, heads = target
+    engine = Engine(model=model_dir, opt="O0", verbose=False, speculative_mode="eagle",
+                    additional_models=[heads[f"eagle{version}"]], kv_cache_page_size=16)
+    try:
+        core = engine._core
+        runner = core.draft_runner
+        tokens = list(range(300, 340))
+        n = len(tokens) - 1
+        features = torch.randn(n, (3 if version == 3 else 1) * HIDDEN)
+        pages = list(range(3))
+        first = runner.execute(StepInput([SeqStep(0, tokens[1:25], pages, 24)]), features[:24])
+        second = runner.execute(StepInput([SeqStep(24, tokens[25:], pages, n - 24)]), features[24:])
+        net = nets[version]
+        rotary = RotaryEmbedding(net.args.head_dim, 64, net.args.rope_theta)
+        embed = core.runner.model.embed[torch.tensor(tokens[1:])].float()
+        hidden = net(embed, features, rotary)
+        if version == 3:
+            draft = net.lm_head(net.norm(hidden))
+            expected = torch.full((n, args.vocab_size), float("-inf"))
+            expected[:, torch.arange(DRAFT_VOCAB) * 4] = draft
+        else:
+            expected = core.runner.model.logits(hidden)
+        logits = torch.cat([first, second])
+        finite = expected.isfinite()
+        assert torch.equal(logits.isfinite(), finite)
+        assert torch.allclose(logits[finite], expected[finite], atol=1e-4, rtol=1e-4)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("head, width", [("eagle1", 1), ("eagle1", 2), ("eagle3", 1)])
+@torch.inference_mode()
+def test_eagle_keeps_greedy_and_seeded_output_in_company(target, head, width):
+    model_dir, _, _, heads = target
+    prompts = [list(range(200 + 30 * i, 200 + 30 * i + n)) for i, n in enumerate((7, 25, 16, 40))]
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True)
+    plain = Engine(model=model_dir, opt="O0", max_num_sequence=4, verbose=False)
+    try:
+        expected = [generate_tokens(plain, p, GREEDY) for p in prompts]
+        expected_seeded = generate_tokens(plain, prompts[1], seeded)
+    finally:
+        plain.shutdown()
+    engine = Engine(model=model_dir, opt="O0", max_num_sequence=4, speculative_mode="eagle",
+                    additional_models=[heads[head]], spec_draft_length=3, spec_tree_width=width,
+                    verbose=False)
+    try:
+        assert isinstance(engine._core.speculator.drafter, EagleDrafter)
+        assert run_concurrently(engine, prompts, GREEDY, delays=[0, 0.01, 0.03, 0.05]) == expected
+        assert generate_tokens(engine, prompts[1], seeded) == expected_seeded
+        stats = engine.stats()
+        assert stats.spec_num_draft_tokens > 0
+        if head == "eagle1":  # near the model's own head (EAGLE-3's drafts from inner layers)
+            assert stats.spec_num_accepted_tokens > 0
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
+@torch.inference_mode()
+def test_eagle_under_preemption_and_prefix_reuse(target):
+    model_dir, _, _, heads = target
+    shared = list(range(900, 940))
+    prompts = [shared + list(range(1000 + 10 * i, 1000 + 10 * i + 5)) for i in range(4)]
+    # At the default level (the C++ kernels), against the same level without speculation.
+    engine = Engine(model=model_dir, max_num_sequence=4, speculative_mode="eagle",
+                    additional_models=[heads["eagle1"]], kv_cache_page_size=8,
+                    max_total_sequence_length=160, verbose=False)
+    try:
+        got = run_concurrently(engine, prompts, GREEDY)
+        assert engine._core.scheduler.num_preemptions > 0
+        assert engine.stats().prefix_cache_hit_tokens > 0
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+    plain = Engine(model=model_dir, max_num_sequence=4, verbose=False)
+    try:
+        assert got == [generate_tokens(plain, p, GREEDY) for p in prompts]
+    finally:
+        plain.shutdown()
