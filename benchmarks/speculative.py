@@ -6,7 +6,8 @@ length), to engines with speculation off, the drafter (``--mode``) with fixed dr
 with the adaptive length (spec_draft_length=0), each as a chain or as trees (``--widths``,
 spec_tree_width). ``--mode small_draft`` drafts with the built-in model itself at the draft's
 level (O3 by default) for a target at ``--opt`` (e.g. O0: the exact reference output at a
-quantized model's speed). Each configuration's engine lives in its own process for the whole run
+quantized model's speed). ``--mode eagle`` and ``--mode medusa`` draft with the heads in
+``--heads DIR`` (written by ``lmserve train-heads --kind eagle|medusa --out DIR``). Each configuration's engine lives in its own process for the whole run
 (as a server's would: the adaptive length keeps what it learned); in every round each workload
 and concurrency is measured by every configuration in turn, back to back, in a rotating order.
 Reported: the median of the rounds' output tokens per second, the median of the rounds' ratios
@@ -15,7 +16,8 @@ stretches of a few seconds), the acceptance (accepted drafts / drafts) and the m
 verify step. Every engine's output is checked to be token for token the output with speculation
 off.
 
-    .venv/bin/python benchmarks/speculative.py [--mode ngram|small_draft] [--rounds 3] \
+    .venv/bin/python benchmarks/speculative.py [--mode ngram|small_draft|eagle|medusa] \
+        [--heads DIR] [--rounds 3] \
         [--concurrency 1 4 16] [--lengths 0 2 4 8] [--widths 1 3] [--opt O2] [--max-tokens 96]
 """
 
@@ -103,7 +105,8 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--mode", choices=["ngram", "small_draft"], default="ngram")
+    ap.add_argument("--mode", choices=["ngram", "small_draft", "eagle", "medusa"], default="ngram")
+    ap.add_argument("--heads", help="the EAGLE or Medusa heads' directory (--mode eagle|medusa)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--lengths", type=int, nargs="+", default=[0, 2, 4, 8],
@@ -114,8 +117,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--workloads", nargs="+", default=["grounded", "chat"])
     args = ap.parse_args()
+    if (args.heads is None) != (args.mode in ("ngram", "small_draft")):
+        ap.error("--heads goes with --mode eagle or medusa, and only with them")
 
-    draft = {"additional_models": [builtin_model_path()]} if args.mode == "small_draft" else {}
+    draft = {"ngram": {}, "small_draft": {"additional_models": [builtin_model_path()]}}.get(
+        args.mode, {"additional_models": [args.heads]})
     configs = {"off": {}} | {
         (f"{args.mode} k={k}" if k else f"{args.mode} adaptive") + (f" w={w}" if w > 1 else ""):
             dict(speculative_mode=args.mode, spec_draft_length=k, spec_tree_width=w, **draft)

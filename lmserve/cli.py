@@ -350,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_plan(commands)
     add_bench_parser(commands)  # lmserve.bench owns its flags
+    from lmserve.train.command import add_train_heads_parser  # it builds on this module
+
+    add_train_heads_parser(commands)  # lmserve.train owns its flags too
     return parser
 
 

@@ -127,3 +127,25 @@ def churn_with_aborts(engine: AsyncEngine, n: int) -> None:
     assert len(counts) == n and all(c >= 1 for c in counts)
     wait_idle(engine)
     assert not engine._core.requests
+
+
+def sixth_token_draws(engine: Engine, prompt: list[int], rounds: int = 50) -> list[int]:
+    """The sixth token of 8 unseeded choices (temperature 1, top-k 8) per round: a draw of a
+    token that a drafter drafted in most steps."""
+    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, n=8, ignore_eos=True)
+    out = []
+    for _ in range(rounds):
+        deltas = [d for o in engine.generate(prompt, params) for d in o.deltas]
+        out += [[t for d in deltas if d.index == i for t in d.token_ids][5] for i in range(8)]
+    return out
+
+
+def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
+    """A chi-square test of homogeneity: the p-value that draws ``a`` and ``b`` come from one
+    distribution."""
+    from scipy.stats import chi2_contingency
+
+    support = sorted(set(a) | set(b))
+    assert len(support) > 2  # a distribution, not a certainty
+    return chi2_contingency([[a.count(t) for t in support], [b.count(t) for t in support]]).pvalue
+

@@ -8,12 +8,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import generate_tokens, run_concurrently, wait_idle
+from conftest import (generate_tokens, homogeneity_pvalue, run_concurrently,
+                      sixth_token_draws, wait_idle)
 from lmserve import Engine, SamplingParams
 from lmserve.config import EngineConfig
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
+from lmserve.spec.draft_vocab import read_draft_vocab, write_draft_vocab
 from lmserve.spec.eagle import EagleDrafter
 from lmserve.spec.eagle_heads import eagle_layer_args, read_eagle_heads
 from lmserve.spec.head_nets import EagleNet
@@ -78,7 +80,9 @@ def target(tmp_path_factory):
     heads = {"eagle1": write_head(root / "eagle1", nets[1], args),
              "eagle1_bin": write_head(root / "eagle1_bin", nets[1], args, fmt="bin"),
              "eagle3": write_head(root / "eagle3", nets[3], args),
-             "eagle3_aux": write_head(root / "eagle3_aux", nets[3], args, aux=[0, 2, 4])}
+             "eagle3_aux": write_head(root / "eagle3_aux", nets[3], args, aux=[0, 2, 4]),
+             "eagle1_vocab": write_head(root / "eagle1_vocab", nets[1], args)}
+    write_draft_vocab(heads["eagle1_vocab"], torch.arange(0, args.vocab_size, 2))
     return model_dir, args, nets, heads
 
 
@@ -87,6 +91,16 @@ def test_the_published_layouts_load_and_are_checked(target, tmp_path):
     one, bin_, three = (read_eagle_heads(heads[k], args) for k in ("eagle1", "eagle1_bin", "eagle3"))
     assert (one.version, one.aux_layers, three.version) == (1, (), 3)
     assert one.tensors.keys() == bin_.tensors.keys() and "fc.bias" in one.tensors
+    # A draft vocabulary beside an EAGLE-1 head (lmserve's draft_vocab.json); never for EAGLE-3.
+    vocab = read_eagle_heads(heads["eagle1_vocab"], args).draft_to_target
+    assert vocab.tolist() == list(range(0, args.vocab_size, 2))
+    write_draft_vocab(str(tmp_path), torch.tensor([5, 5]))
+    with pytest.raises(ValueError, match="'token_ids' must be distinct ids"):
+        read_draft_vocab(str(tmp_path), args.vocab_size)
+    write_head(tmp_path / "eagle3_vocab", nets[3], args)
+    write_draft_vocab(str(tmp_path / "eagle3_vocab"), torch.arange(4))
+    with pytest.raises(ValueError, match="has its own draft vocabulary"):
+        read_eagle_heads(str(tmp_path / "eagle3_vocab"), args)
     prefixed = tmp_path / "prefixed"
     write_head(prefixed, nets[1], args)
     save_file({"model." + n: t.contiguous() for n, t in nets[1].state_dict().items()},
@@ -142,21 +156,15 @@ def test_the_paged_head_computes_what_the_plain_one_does(target, version):
         rotary = RotaryEmbedding(net.args.head_dim, 64, net.args.rope_theta)
         embed = core.runner.model.embed[torch.tensor(tokens[1:])].float()
         hidden = net(embed, features, rotary)
-        if version == 3:
-            draft = net.lm_head(net.norm(hidden))
-            expected = torch.full((n, args.vocab_size), float("-inf"))
-            expected[:, torch.arange(DRAFT_VOCAB) * 4] = draft
-        else:
-            expected = core.runner.model.logits(hidden)
+        # EAGLE-3's logits are over its draft vocabulary.
+        expected = net.lm_head(net.norm(hidden)) if version == 3 else core.runner.model.logits(hidden)
         logits = torch.cat([first, second])
-        finite = expected.isfinite()
-        assert torch.equal(logits.isfinite(), finite)
-        assert torch.allclose(logits[finite], expected[finite], atol=1e-4, rtol=1e-4)
+        assert torch.allclose(logits, expected, atol=1e-4, rtol=1e-4)
     finally:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("head, width", [("eagle1", 1), ("eagle1", 2), ("eagle3", 1)])
+@pytest.mark.parametrize("head, width", [("eagle1", 1), ("eagle1_vocab", 2), ("eagle3", 1)])
 @torch.inference_mode()
 def test_eagle_keeps_greedy_and_seeded_output_in_company(target, head, width):
     model_dir, _, _, heads = target
@@ -177,7 +185,7 @@ def test_eagle_keeps_greedy_and_seeded_output_in_company(target, head, width):
         assert generate_tokens(engine, prompts[1], seeded) == expected_seeded
         stats = engine.stats()
         assert stats.spec_num_draft_tokens > 0
-        if head == "eagle1":  # near the model's own head (EAGLE-3's drafts from inner layers)
+        if head != "eagle3":  # near the model's own head (EAGLE-3's drafts from inner layers)
             assert stats.spec_num_accepted_tokens > 0
         wait_idle(engine)
         assert engine.kv_pages_in_use() == 0
@@ -207,3 +215,24 @@ def test_eagle_under_preemption_and_prefix_reuse(target):
         assert got == [generate_tokens(plain, p, GREEDY) for p in prompts]
     finally:
         plain.shutdown()
+
+
+def test_unseeded_sampling_with_eagle_follows_the_models_distribution(target):
+    """A drafted token's distribution is the model's: a chi-square test of homogeneity against
+    speculation off over 400 draws each, at 0.1%."""
+    model_dir, _, _, heads = target
+    prompt = list(range(300, 320))
+    plain = Engine(model=model_dir, opt="O0", max_num_sequence=8, verbose=False)
+    try:
+        a = sixth_token_draws(plain, prompt)
+    finally:
+        plain.shutdown()
+    engine = Engine(model=model_dir, opt="O0", max_num_sequence=8, speculative_mode="eagle",
+                    additional_models=[heads["eagle1"]], spec_draft_length=3, verbose=False)
+    try:
+        b = sixth_token_draws(engine, prompt)
+        stats = engine.stats()
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    finally:
+        engine.shutdown()
+    assert homogeneity_pvalue(a, b) > 0.001

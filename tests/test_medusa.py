@@ -7,11 +7,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import generate_tokens, run_concurrently, wait_idle
+from conftest import (generate_tokens, homogeneity_pvalue, run_concurrently,
+                      sixth_token_draws, wait_idle)
 from lmserve import Engine, SamplingParams
 from lmserve.config import EngineConfig
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
+from lmserve.spec.draft_vocab import write_draft_vocab
 from lmserve.spec.medusa import MedusaDrafter, read_medusa_heads
 from tiny_models import make_hf_llama, random_model
 
@@ -59,6 +61,8 @@ def target(tmp_path_factory):
     heads["pt"] = write_heads(root / "pt", medusa_tensors(lm_head), fmt="pt")
     heads["choices"] = write_heads(root / "choices", medusa_tensors(lm_head),  # (0,) implied
                                    choices=[[1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    # ... drafting among the even token ids only (lmserve's draft_vocab.json)
+    write_draft_vocab(heads["choices"], torch.arange(0, lm_head.shape[0], 2))
     return model_dir, heads
 
 
@@ -72,7 +76,10 @@ def test_the_published_layouts_load_alike(target):
     for layout in ("vllm", "pt"):
         assert torch.equal(loaded[layout].logits(hidden), reference)
     assert torch.equal(loaded["medusa"].logits(hidden, 2), reference[:2])
-    assert read_medusa_heads(heads["choices"], args).choices[:3] == [(0,), (1,), (0, 0)]
+    with_choices = read_medusa_heads(heads["choices"], args)
+    assert with_choices.choices[:3] == [(0,), (1,), (0, 0)]
+    assert with_choices.vocab.tolist() == list(range(0, args.vocab_size, 2))
+    assert with_choices.heads[0].shape == (args.vocab_size // 2, HIDDEN)
     # The plan counts the heads (float32) with the weights, from the file's header.
     config = EngineConfig(speculative_mode="medusa", additional_models=[heads["medusa"]])
     plan = make_plan(config, args)
@@ -174,3 +181,24 @@ def test_medusa_under_preemption_and_prefix_reuse(target):
         assert engine.kv_pages_in_use() == 0
     finally:
         engine.shutdown()
+
+
+def test_unseeded_sampling_with_medusa_follows_the_models_distribution(target):
+    """A drafted token's distribution is the model's: a chi-square test of homogeneity against
+    speculation off over 400 draws each, at 0.1%."""
+    model_dir, heads = target
+    prompt = list(range(300, 320))
+    plain = Engine(model=model_dir, opt="O0", max_num_sequence=8, verbose=False)
+    try:
+        a = sixth_token_draws(plain, prompt)
+    finally:
+        plain.shutdown()
+    engine = Engine(model=model_dir, opt="O0", max_num_sequence=8, speculative_mode="medusa",
+                    additional_models=[heads["medusa"]], spec_draft_length=3, verbose=False)
+    try:
+        b = sixth_token_draws(engine, prompt)
+        stats = engine.stats()
+        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    finally:
+        engine.shutdown()
+    assert homogeneity_pvalue(a, b) > 0.001

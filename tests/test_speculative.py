@@ -318,28 +318,14 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(builtin_engine, 
 def test_unseeded_sampling_follows_the_targets_distribution(builtin_engine, prompts):
     """Without a seed (one shared generator), a token that was drafted is distributed as
     without speculation: a chi-square test of homogeneity over 400 draws each, at 0.1%."""
-    from scipy.stats import chi2_contingency
-
-    params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, n=8, ignore_eos=True)
-
-    def sixth_tokens(engine) -> list[int]:
-        out = []
-        for _ in range(50):
-            deltas = [d for o in engine.generate(prompts[0], params) for d in o.deltas]
-            out += [[t for d in deltas if d.index == i for t in d.token_ids][5] for i in range(8)]
-        return out
-
     spec = Engine(max_num_sequence=8, verbose=False, speculative_mode="ngram", spec_draft_length=3)
     try:
-        a, b = sixth_tokens(builtin_engine), sixth_tokens(spec)
+        a, b = sixth_token_draws(builtin_engine, prompts[0]), sixth_token_draws(spec, prompts[0])
         stats = spec.stats()
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     finally:
         spec.shutdown()
-    support = sorted(set(a) | set(b))
-    assert len(support) > 2  # a distribution, not a certainty
-    table = [[a.count(t) for t in support], [b.count(t) for t in support]]
-    assert chi2_contingency(table).pvalue > 0.001
+    assert homogeneity_pvalue(a, b) > 0.001
 
 
 def test_two_hundred_requests_aborted_at_random_points_leave_no_page(tiny_model_dir):

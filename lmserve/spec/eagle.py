@@ -37,6 +37,7 @@ from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.spec.draft_vocab import to_token_ids
 from lmserve.spec.eagle_heads import EagleHeads
 from lmserve.spec.tree import DraftTree
 from lmserve.step import SeqStep, StepInput
@@ -76,6 +77,8 @@ class EagleModel:
         self.lm_head = t.get("lm_head.weight")  # EAGLE-3's, over its draft vocabulary
         self.draft_to_target = heads.draft_to_target
         self.eps = self.args.rms_norm_eps
+        if self.lm_head is None and self.draft_to_target is not None:  # EAGLE-1/2, fewer tokens
+            self.lm_head = _head_rows(target, self.draft_to_target)
 
     def layer_calls(self, *args, **kwargs) -> None:
         return None  # torch ops only: the layer is small beside the target
@@ -106,17 +109,22 @@ class EagleModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``(S, V)`` over the target's vocabulary (EAGLE-3: tokens outside its
-        draft vocabulary get -inf)."""
+        """Float32 logits ``(S, V)`` over the target's vocabulary, or ``(S, V')`` over the
+        head's draft vocabulary (``draft_to_target``) if it has one."""
         h = hidden if self.norm is None else _rms_norm(hidden, self.norm, self.eps)
         if self.lm_head is None:
             return self.target.logits(h.to(self.target.dtype))
-        logits = h @ self.lm_head.t()
-        if self.draft_to_target is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.target.args.vocab_size), float("-inf"))
-        full[:, self.draft_to_target] = logits
-        return full
+        return h @ self.lm_head.t()
+
+
+def _head_rows(target, token_ids: torch.Tensor) -> torch.Tensor:
+    """The rows ``(V', D)`` of the target's head for ``token_ids``, in float32: its embedding's
+    when they are tied, else its head run once on the identity (which dequantizes it exactly:
+    a one-hot row quantizes to itself)."""
+    if target.args.tie_word_embeddings:
+        return target.embed[token_ids].float()
+    eye = torch.eye(target.args.hidden_size).to(target.dtype)
+    return target.logits(eye).t()[token_ids].contiguous()
 
 
 def build_eagle_runner(heads: EagleHeads, target: ModelRunner, plan: EnginePlan,
@@ -192,12 +200,19 @@ class EagleDrafter:
                              page_table=list(c.seq.pages), num_logits=1) for c in deeper]
             features = torch.stack([hidden[c] for c in deeper])
             logits = self.runner.execute(StepInput(steps), features)
-            top = logits.topk(self.width, dim=-1).indices.tolist()
+            top = self._top(logits)
             for i, c in enumerate(deeper):
                 levels[c].append(top[i])
                 hidden[c] = self.runner.last_hidden[i]
         for c in drafting:
             c.draft = DraftTree.from_candidates(levels[c], c.num_lookahead)
+
+    def _top(self, logits: torch.Tensor) -> list[list[int]]:
+        """Each row's ``width`` best token ids, best first."""
+        if not logits.numel():
+            return []
+        indices = logits.topk(self.width, dim=-1).indices
+        return to_token_ids(indices, self.runner.model.draft_to_target).tolist()
 
     def _catch_up(self, chunks: list[ScheduledChunk], drafting: set[ScheduledChunk]
                   ) -> dict[ScheduledChunk, tuple[list[int], torch.Tensor]]:
@@ -221,7 +236,7 @@ class EagleDrafter:
                 budget -= n
             logits = self.runner.execute(StepInput([s for s, _ in steps]),
                                          torch.cat([rows for _, rows in steps]))
-            top = logits.topk(self.width, dim=-1).indices.tolist() if logits.numel() else []
+            top = self._top(logits)
             row = 0
             for c, (step, _) in zip(ran, steps):
                 seq, state = c.seq, c.seq.draft_state

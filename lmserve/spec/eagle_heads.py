@@ -14,7 +14,8 @@ one-layer Llama ``config.json`` and the weights):
   (vLLM's choice), or of ``eagle_aux_hidden_state_layer_ids`` when the config has them.
 
 Weights load from safetensors; a ``.pt``/``.bin`` file only with ``torch.load(weights_only=True)``.
-A leading ``model.`` in tensor names (some conversions) is dropped.
+A leading ``model.`` in tensor names (some conversions) is dropped. An EAGLE-1/2 head may have a
+draft vocabulary beside it (``draft_vocab.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from safetensors.torch import load_file
 
 from lmserve.config import EngineConfig
 from lmserve.models.args import ModelArgs
+from lmserve.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE
+from lmserve.spec.draft_vocab import read_draft_vocab
 
 _FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pt")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -51,7 +54,9 @@ class EagleHeads:
     args: ModelArgs
     tensors: dict[str, torch.Tensor]
     aux_layers: tuple[int, ...] = ()
-    draft_to_target: Optional[torch.Tensor] = None  # (Vd,) target id of each draft id
+    # (Vd,) the target id of each draft id: EAGLE-3's d2t, or an EAGLE-1/2 head's draft
+    # vocabulary (draft_vocab.py); None: the whole vocabulary.
+    draft_to_target: Optional[torch.Tensor] = None
 
 
 def eagle_weights_file(path: str) -> str:
@@ -152,6 +157,12 @@ def read_eagle_heads(path: str, target: ModelArgs) -> EagleHeads:
         if int(draft_to_target.min()) < 0 or int(draft_to_target.max()) >= target.vocab_size:
             raise ValueError(f"{file}: tensor 'd2t' maps draft tokens outside the model's "
                              f"vocabulary of {target.vocab_size}")
+    vocab = read_draft_vocab(path, target.vocab_size)
+    if vocab is not None:
+        if draft_to_target is not None:
+            raise ValueError(f"{file}: an EAGLE-3 head has its own draft vocabulary (d2t); "
+                             f"remove {DRAFT_VOCAB_FILE}")
+        draft_to_target = vocab
     floats = {n: t.float() for n, t in tensors.items()}
     return EagleHeads(version, args, floats, aux, draft_to_target)
 

@@ -12,7 +12,8 @@ ranks) or, without them, the best chain with the next best tokens as leaves.
 Heads load from the layouts people publish: FasterDecoding's directory (``config.json`` with
 ``medusa_num_heads`` and ``medusa_num_layers``; ``medusa_lm_head.safetensors`` with
 ``{i}.{j}.linear.weight/bias`` and ``{i}.{L}.weight``), and vLLM's names (``blocks.{i}.layers.{j}``,
-``lm_heads.{i}``). A ``.pt``/``.bin`` file is read only with ``torch.load(weights_only=True)``.
+``lm_heads.{i}``), with an optional draft vocabulary (``draft_vocab.py``). A ``.pt``/``.bin``
+file is read only with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from safetensors.torch import load_file
 from lmserve.models.args import ModelArgs
 from lmserve.request import Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.spec.draft_vocab import read_draft_vocab, to_token_ids
 from lmserve.spec.tree import MAX_TREE_TOKENS, DraftTree
 
 _FILES = ("medusa_lm_head.safetensors", "model.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin",
@@ -43,11 +45,13 @@ _VLLM = re.compile(r"(?:blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)|lm_heads\.(\
 @dataclass
 class MedusaHeads:
     """``blocks[i]``: head i's residual blocks as (weight (D, D), bias (D,)); ``heads[i]``: its
-    vocabulary projection (V, D). Float32."""
+    vocabulary projection (V, D), or its draft vocabulary's rows (V', D). Float32."""
 
     blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]
     heads: list[torch.Tensor]
     choices: Optional[list[tuple[int, ...]]] = None  # medusa_choices: paths of top-k ranks
+    # A draft vocabulary (draft_vocab.py): the token ids of the projections' rows; None: all.
+    vocab: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.heads)
@@ -55,7 +59,7 @@ class MedusaHeads:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, depth: Optional[int] = None) -> torch.Tensor:
         """``(depth, B, V)``: the first ``depth`` heads' logits (all by default) for the hidden
-        states ``(B, D)``."""
+        states ``(B, D)``, over the draft vocabulary (``V'``) if there is one."""
         out = []
         for blocks, head in list(zip(self.blocks, self.heads))[:depth]:
             x = hidden.float()
@@ -132,7 +136,8 @@ def read_medusa_heads(path: str, target: ModelArgs) -> MedusaHeads:
         raise ValueError(f"{file}: Medusa heads {sorted(heads)} (blocks for {sorted(blocks)}) found, "
                          f"expected 0..{k - 1} (medusa_num_heads={k})")
     d, v = target.hidden_size, target.vocab_size
-    out = MedusaHeads([], [], _choices(config))
+    vocab = read_draft_vocab(path, v)
+    out = MedusaHeads([], [], _choices(config), vocab)
     for i in range(k):
         if tuple(heads[i].shape) != (v, d):
             raise ValueError(f"{file}: head {i}'s vocabulary projection is {tuple(heads[i].shape)}, "
@@ -155,7 +160,7 @@ def read_medusa_heads(path: str, target: ModelArgs) -> MedusaHeads:
                                  f"the model's hidden size needs ({d}, {d}) + ({d},)")
             pairs.append((w.float(), b.float()))
         out.blocks.append(pairs)
-        out.heads.append(heads[i].float())
+        out.heads.append((heads[i] if vocab is None else heads[i][vocab]).float())
     return out
 
 
@@ -204,7 +209,7 @@ class MedusaDrafter:
         deepest = max(depths[c] for c in drafting)
         logits = self.heads.logits(torch.stack([c.seq.draft_state for c in drafting]), deepest)
         ranks = max((max(c) + 1 for c in self.heads.choices), default=1) if self.heads.choices else self.width
-        top = logits.topk(ranks, dim=-1).indices  # (k, B, ranks)
+        top = to_token_ids(logits.topk(ranks, dim=-1).indices, self.heads.vocab)  # (k, B, ranks)
         for b, c in enumerate(drafting):
             levels = top[: depths[c], b].tolist()  # per depth, its candidates best first
             if self.heads.choices is not None:

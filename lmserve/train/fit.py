@@ -1,0 +1,160 @@
+"""Training Medusa and EAGLE-1 heads on a model's own answers (self-distillation).
+
+Both heads learn two things at once, as EAGLE trains its heads: the model's hidden state
+further on (a smooth-L1 regression to the model's own feature there) and the token the model
+chose there (cross-entropy through the model's head). The cross-entropy ranks the tokens that
+occur in the answers (``answer_vocabulary``), a few thousand instead of the whole vocabulary:
+the model's greedy answers never choose a token outside it, and the regression keeps the rest
+where the model's own head puts them. The model's head stays frozen (Medusa's vocabulary
+projections are copies of it), so a short run on a CPU trains only the small parts: Medusa's
+residual blocks, EAGLE's ``fc`` and decoder layer.
+
+Medusa head ``i`` reads the final hidden state at ``t`` and predicts the one at ``t + i + 1``,
+whose head logits give token ``t + i + 2``. EAGLE row ``p`` reads token ``p + 1``'s embedding
+and the feature at ``p`` (with uniform noise, as EAGLE trains, so that drafting from its own
+slightly wrong predictions stays on track) and predicts the feature at ``p + 1`` and token
+``p + 2``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lmserve.layers.rotary import RotaryEmbedding
+from lmserve.models.args import ModelArgs
+from lmserve.spec.eagle_heads import eagle_layer_args
+from lmserve.spec.head_nets import EagleNet, MedusaNet
+from lmserve.train.data import Sample
+
+
+@dataclass
+class FitSettings:
+    """How a head is trained: passes over the data, AdamW's learning rate (cosine decay after a
+    short warm-up), conversations per optimizer step, the cross-entropy's weight beside the
+    regression's, EAGLE's input noise (uniform, this wide) and the seed."""
+
+    epochs: int = 10
+    lr: float = 1e-3
+    batch: int = 8
+    ce_weight: float = 0.1
+    noise: float = 0.2
+    seed: int = 0
+
+
+def answer_vocabulary(samples: list[Sample]) -> torch.Tensor:
+    """The sorted token ids that occur in the answers, as a ``(V',)`` tensor."""
+    return torch.tensor(sorted({t for s in samples for t in s.tokens[s.answer_start :]}))
+
+
+class _Objective:
+    """Regression plus cross-entropy over the answer vocabulary through the frozen head."""
+
+    def __init__(self, head: torch.Tensor, vocabulary: torch.Tensor, ce_weight: float) -> None:
+        self.head = head[vocabulary].float()  # (V', D)
+        self.index = torch.full((head.shape[0],), -1, dtype=torch.long)
+        self.index[vocabulary] = torch.arange(len(vocabulary))
+        self.ce_weight = ce_weight
+
+    def __call__(self, hidden: torch.Tensor, feature: torch.Tensor, tokens: torch.Tensor
+                 ) -> tuple[torch.Tensor, int, int]:
+        """The loss of predicted features ``hidden (N, D)`` against the model's ``feature
+        (N, D)`` and next ``tokens (N,)`` (-1: no token to predict), and how many of the tokens
+        the head ranks first."""
+        loss = F.smooth_l1_loss(hidden, feature)
+        labeled = tokens >= 0
+        if not labeled.any():
+            return loss, 0, 0
+        logits = hidden[labeled] @ self.head.t()  # (n, V')
+        labels = self.index[tokens[labeled]]
+        loss = loss + self.ce_weight * F.cross_entropy(logits, labels)
+        return loss, int((logits.argmax(-1) == labels).sum()), int(labeled.sum())
+
+
+def _answer_tokens(sample: Sample, start: int, end: int) -> torch.Tensor:
+    """The tokens at positions ``start .. end - 1``, -1 where they belong to the prompt."""
+    tokens = torch.tensor(sample.tokens[start:end])
+    positions = torch.arange(start, end)
+    return torch.where(positions >= sample.answer_start, tokens, -1)
+
+
+def _fit(parameters: list[torch.nn.Parameter], samples: list[Sample], settings: FitSettings,
+         loss_of: Callable[[Sample], tuple[torch.Tensor, int, int]],
+         progress: Callable[[int, float, float], None]) -> None:
+    """AdamW over ``samples`` for ``settings.epochs``; ``loss_of`` gives one conversation's
+    loss and top-1 counts; ``progress(tokens, loss, top-1 accuracy)`` after each step."""
+    optimizer = torch.optim.AdamW(parameters, lr=settings.lr, weight_decay=0.0)
+    steps = settings.epochs * math.ceil(len(samples) / settings.batch)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
+        (s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+    order = random.Random(settings.seed)
+    for _ in range(settings.epochs):
+        shuffled = list(samples)
+        order.shuffle(shuffled)
+        for i in range(0, len(shuffled), settings.batch):
+            batch = shuffled[i : i + settings.batch]
+            total, right, counted = 0.0, 0, 0
+            for sample in batch:
+                loss, hits, n = loss_of(sample)
+                (loss / len(batch)).backward()
+                total, right, counted = total + float(loss.detach()), right + hits, counted + n
+            torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            schedule.step()
+            progress(sum(len(s.tokens) for s in batch), total / len(batch), right / max(counted, 1))
+
+
+def fit_medusa(samples: list[Sample], head: torch.Tensor, num_heads: int, num_layers: int,
+               settings: FitSettings, progress: Callable[[int, float, float], None]) -> MedusaNet:
+    """Medusa heads (``num_heads``, ``num_layers`` blocks each) over the model's head ``(V, D)``."""
+    torch.manual_seed(settings.seed)
+    net = MedusaNet(head, num_heads, num_layers)
+    objective = _Objective(head, answer_vocabulary(samples), settings.ce_weight)
+
+    def loss_of(sample: Sample) -> tuple[torch.Tensor, int, int]:
+        f, n = sample.features, len(sample.tokens)
+        losses, right, counted = [], 0, 0
+        for i in range(num_heads):
+            rows = n - i - 1  # positions t with a feature at t + i + 1
+            if rows <= 0:
+                break
+            hidden = net.hidden(i, f[:rows])  # (rows, D)
+            tokens = torch.cat([_answer_tokens(sample, i + 2, n), torch.full((1,), -1)])[:rows]
+            loss, hits, labeled = objective(hidden, f[i + 1 : i + 1 + rows], tokens)
+            losses.append(loss)
+            right, counted = right + hits, counted + labeled
+        return torch.stack(losses).sum(), right, counted
+
+    _fit([p for p in net.parameters() if p.requires_grad], samples, settings, loss_of, progress)
+    return net
+
+
+def fit_eagle(samples: list[Sample], head: torch.Tensor, embed: torch.Tensor, target: ModelArgs,
+              settings: FitSettings, progress: Callable[[int, float, float], None]) -> EagleNet:
+    """An EAGLE-1 head (one decoder layer shaped like the model's, ``fc`` with a bias) for a
+    model with token embeddings ``embed (V, D)`` and head ``(V, D)``."""
+    torch.manual_seed(settings.seed)
+    args = eagle_layer_args({}, target)
+    net = EagleNet(args, version=1, fc_bias=True)
+    objective = _Objective(head, answer_vocabulary(samples), settings.ce_weight)
+    longest = max(len(s.tokens) for s in samples)
+    rotary = RotaryEmbedding(args.head_dim, longest, args.rope_theta, args.rope_scaling,
+                             torch.device("cpu"))
+
+    def loss_of(sample: Sample) -> tuple[torch.Tensor, int, int]:
+        f, n = sample.features, len(sample.tokens)
+        noisy = f[:-1] + (torch.rand_like(f[:-1]) - 0.5) * settings.noise
+        emb = embed[torch.tensor(sample.tokens[1:])].float()  # (n-1, D): token p + 1
+        hidden = net(emb, noisy, rotary)  # (n-1, D): the feature at p + 1
+        tokens = torch.cat([_answer_tokens(sample, 2, n), torch.full((1,), -1)])
+        return objective(hidden, f[1:], tokens)
+
+    _fit(list(net.parameters()), samples, settings, loss_of, progress)
+    return net
