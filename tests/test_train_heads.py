@@ -1,5 +1,5 @@
 """``lmserve train-heads``: heads trained for a few minutes on the built-in model draft better
-than heads with random weights, load in the published layouts, and change no output."""
+than untrained heads, load in the published layouts, and change no output."""
 
 import os
 import re
@@ -7,12 +7,11 @@ import shutil
 
 import pytest
 import torch
-from torch import nn
 
 from lmserve import EngineConfig
 from lmserve.cli import main
 from lmserve.engine.core import EngineCore
-from lmserve.models.loader import read_model_args, resolve_model_path
+from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
 from lmserve.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE
 from lmserve.spec.eagle_heads import eagle_layer_args
 from lmserve.spec.head_nets import EagleNet, MedusaNet
@@ -27,25 +26,23 @@ SHORT = ["--num-prompts", str(PROMPTS), "--held-out", str(HELD_OUT), "--max-toke
          "--epochs", "5", "--lr", "2e-3", "--seed", "1"]
 
 
-def random_heads(kind: str, out: str, like: str) -> None:
-    """Heads of the same shapes and draft vocabulary as those in ``like``, with random weights
-    (torch's default initialisation)."""
+def untrained_heads(kind: str, out: str, like: str) -> None:
+    """Heads of the same shapes and draft vocabulary as those in ``like``, untrained: EAGLE with
+    torch's random initialisation; Medusa as training starts (zero blocks, the model's head:
+    every head drafts the next token again, one position too early)."""
     torch.manual_seed(0)
     os.makedirs(out)
     shutil.copy(os.path.join(like, DRAFT_VOCAB_FILE), out)
     args = read_model_args(None)
     if kind == "eagle":
         write_eagle(EagleNet(eagle_layer_args({}, args), 1), args, out)
-        return
-    net = MedusaNet(torch.randn(args.vocab_size, args.hidden_size), 4)
-    for module in net.modules():
-        if isinstance(module, nn.Linear) and module.weight.requires_grad:
-            module.reset_parameters()
-    write_medusa(net, resolve_model_path(None), out)
+    else:
+        head = load_weights(None)["model.embed_tokens.weight"].float()  # tied
+        write_medusa(MedusaNet(head, 4), resolve_model_path(None), out)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
-def test_a_short_training_run_beats_random_heads_and_changes_no_output(kind, tmp_path, capsys):
+def test_a_short_training_run_beats_untrained_heads_and_changes_no_output(kind, tmp_path, capsys):
     out = str(tmp_path / kind)
     assert main(["train-heads", "--kind", kind, "--out", out, *SHORT]) == 0
     log = capsys.readouterr().err
@@ -58,7 +55,7 @@ def test_a_short_training_run_beats_random_heads_and_changes_no_output(kind, tmp
     trained = acceptance_length(stats)
     assert f"{trained:.2f}" == printed  # greedy and one batch: the same run
     random_dir = str(tmp_path / "random")
-    random_heads(kind, random_dir, like=out)
+    untrained_heads(kind, random_dir, like=out)
     stats, _ = measure_acceptance(
         EngineConfig(mode="server", verbose=False, speculative_mode=kind, spec_draft_length=4,
                      additional_models=[random_dir]), held_out, TOKENS)

@@ -251,8 +251,10 @@ class EagleDrafter:
 
 def _backlog(seq: Sequence) -> int:
     """Positions the head can run now: from its count up to the token before the newest, with
-    the target's features at hand."""
+    the target's features at hand and the target's KV pages there (after a preemption,
+    features kept from before it wait until the target has recomputed their positions)."""
     state: Optional[_Pending] = seq.draft_state
     if state is None or state.start > seq.num_draft_computed:
         return 0
-    return max(0, min(state.end, len(seq.token_ids) - 1) - seq.num_draft_computed)
+    end = min(state.end, len(seq.token_ids) - 1, seq.num_computed)
+    return max(0, end - seq.num_draft_computed)

@@ -159,7 +159,7 @@ def read_eagle_heads(path: str, target: ModelArgs) -> EagleHeads:
                              f"vocabulary of {target.vocab_size}")
     vocab = read_draft_vocab(path, target.vocab_size)
     if vocab is not None:
-        if draft_to_target is not None:
+        if version == 3:
             raise ValueError(f"{file}: an EAGLE-3 head has its own draft vocabulary (d2t); "
                              f"remove {DRAFT_VOCAB_FILE}")
         draft_to_target = vocab
