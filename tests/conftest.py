@@ -149,3 +149,21 @@ def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
     assert len(support) > 2  # a distribution, not a certainty
     return chi2_contingency([[a.count(t) for t in support], [b.count(t) for t in support]]).pvalue
 
+
+def assert_drafts_keep_the_distribution(model_dir: str, **speculation) -> None:
+    """Unseeded draws of a drafted token with ``speculation`` (EngineConfig fields) follow the
+    model's distribution at O0: a chi-square test of homogeneity against speculation off over
+    400 draws each, at 0.1%; some drafts are accepted and some rejected."""
+    prompt = list(range(300, 320))
+    draws, counts = [], None
+    for extra in ({}, speculation):
+        engine = Engine(model=model_dir, opt="O0", max_num_sequence=8, verbose=False, **extra)
+        try:
+            draws.append(sixth_token_draws(engine, prompt))
+            stats = engine.stats()
+            counts = (stats.spec_num_accepted_tokens, stats.spec_num_draft_tokens)
+        finally:
+            engine.shutdown()
+    assert 0 < counts[0] < counts[1]
+    assert homogeneity_pvalue(*draws) > 0.001
+

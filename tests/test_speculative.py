@@ -12,7 +12,8 @@ import random
 import numpy as np
 import pytest
 
-from conftest import generate_tokens, run_concurrently, wait_idle
+from conftest import (generate_tokens, homogeneity_pvalue, run_concurrently, sixth_token_draws,
+                      wait_idle)
 from lmserve import Engine, SamplingParams
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool

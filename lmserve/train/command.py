@@ -27,8 +27,8 @@ from lmserve.engine.core import EngineCore
 from lmserve.models.loader import load_weights
 from lmserve.outputs import EngineStats
 from lmserve.spec.head_nets import EagleNet, MedusaNet
-from lmserve.train.data import Sample, features, generate
 from lmserve.spec.draft_vocab import write_draft_vocab
+from lmserve.train.data import Sample, features, generate
 from lmserve.train.fit import FitSettings, answer_vocabulary, fit_eagle, fit_medusa
 from lmserve.train.prompts import builtin_prompts, read_prompts
 
