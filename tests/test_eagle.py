@@ -19,6 +19,9 @@ from lmserve.spec.draft_vocab import read_draft_vocab, write_draft_vocab
 from lmserve.spec.eagle import EagleDrafter
 from lmserve.spec.eagle_heads import eagle_layer_args, read_eagle_heads
 from lmserve.spec.head_nets import EagleNet
+from lmserve.request import Request, Sequence
+from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.spec.dynamic_tree import CandidateTree
 from lmserve.step import SeqStep, StepInput
 from tiny_models import make_hf_llama
 
@@ -162,6 +165,73 @@ def test_the_paged_head_computes_what_the_plain_one_does(target, version):
         assert torch.allclose(logits, expected, atol=1e-4, rtol=1e-4)
     finally:
         engine.shutdown()
+
+
+def test_the_dynamic_tree_keeps_the_most_likely_paths():
+    """Hand-made values: the ``max_nodes`` most likely nodes, the most likely child chain first,
+    parents before children, ties to the shallower node."""
+    tree = CandidateTree()
+    ln = torch.tensor([0.6, 0.3, 0.1, 0.9, 0.5, 0.5]).log().tolist()
+    tree.add_children(-1, [10, 11, 12], ln[:3])  # nodes 0-2: 0.6, 0.3, 0.1
+    tree.add_children(1, [20], ln[3:4])  # node 3 under 11: 0.27
+    tree.add_children(0, [30, 31], ln[4:])  # nodes 4, 5 under 10: 0.3 each
+    assert tree.frontier(1, 2) == [0, 1] and tree.frontier(2, 1) == [4]
+    draft = tree.select(4)  # 0.6, then 0.3 three times: node 1 (shallower), nodes 4, 5
+    assert (draft.token_ids, draft.parents) == ([10, 30, 11, 31], [-1, 0, -1, 0])
+    draft = tree.select(6)
+    assert (draft.token_ids, draft.parents) == ([10, 30, 11, 12, 20, 31], [-1, 0, -1, -1, 2, 0])
+
+
+@torch.inference_mode()
+def test_the_drafter_grows_eagle2s_tree_on_what_the_plain_head_predicts(target):
+    """One sequence's EAGLE-2 tree from the engine's drafter (paged, batched, a pass per depth)
+    against the same tree grown by brute force on ``EagleNet``: each node's head state from
+    running the head over the context and the node's own path."""
+    model_dir, args, nets, heads = target
+    width, depth, budget = 3, 3, 7
+    engine = Engine(model=model_dir, opt="O0", verbose=False, speculative_mode="eagle",
+                    additional_models=[heads["eagle1"]], kv_cache_page_size=16)
+    try:
+        model = engine._core.runner.model
+        drafter = EagleDrafter(engine._core.draft_runner, (), 64, width)
+        tokens = list(range(400, 430))
+        features = torch.randn(len(tokens) - 1, HIDDEN, generator=torch.Generator().manual_seed(3))
+        seq = Sequence(Request("r", tokens, SamplingParams()), 0, list(tokens), None)
+        seq.pages, seq.num_computed = [0, 1, 2], len(tokens) - 1
+        EagleDrafter.observe(seq, 0, features)
+        chunk = ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=budget)
+        drafter.propose(Batch([chunk]), {chunk: depth})
+    finally:
+        engine.shutdown()
+    net = nets[1]
+    rotary = RotaryEmbedding(net.args.head_dim, 64, net.args.rope_theta)
+
+    values, states = {}, {}  # per path of tokens: its log-probability, the head's state after it
+
+    def expand(path: tuple[int, ...]) -> None:
+        """The plain head over the context then ``path`` (each token read with the head's state
+        after the tokens before it): its state after ``path`` and its ``width`` best tokens."""
+        ids = torch.tensor(tokens[1:] + list(path))
+        inputs = torch.cat([features, *(states[path[:i]][None] for i in range(len(path)))])
+        states[path] = net(model.embed[ids].float(), inputs, rotary)[-1]
+        best = model.logits(states[path][None])[0].log_softmax(-1).topk(width)
+        for token, log_prob in zip(best.indices.tolist(), best.values.tolist()):
+            values[path + (token,)] = values.get(path, 0.0) + log_prob
+
+    frontier = [()]
+    for d in range(depth):
+        for path in frontier:
+            expand(path)
+        frontier = sorted([p for p in values if len(p) == d + 1], key=lambda p: -values[p])[:width]
+    expected = set(sorted(values, key=lambda p: (-values[p], len(p)))[:budget])
+    draft = chunk.draft
+    got = {tuple(draft.token_ids[i] for i in draft.path(n)) for n in range(len(draft))}
+    assert got == expected
+    greedy, path = [], ()
+    while kids := [p for p in expected if p[:-1] == path and len(p) == len(path) + 1]:
+        path = max(kids, key=lambda p: values[p])
+        greedy.append(path[-1])
+    assert draft.token_ids[: len(greedy)] == greedy and draft.parents[: len(greedy)] == list(range(-1, len(greedy) - 1))
 
 
 @pytest.mark.parametrize("head, width", [("eagle1", 1), ("eagle1_vocab", 2), ("eagle3", 1)])

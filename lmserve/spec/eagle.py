@@ -15,8 +15,10 @@ counted, and are written again from the true features once verified (EAGLE's own
 head lags the target by one token (position ``p`` needs ``x_{p+1}``). A sequence whose features
 pile up while it does not draft (prefill chunks, adaptive steps without drafts) has them run
 once ``CATCH_UP_TOKENS`` wait, so they never hold much memory. Drafts are the head's best tokens
-(deterministic, q = 1; ``spec_tree_width`` > 1 adds the next best at each depth as leaves), so
-verification needs no draft probabilities (see ``speculator``).
+(deterministic, q = 1), so verification needs no draft probabilities (see ``speculator``). With
+``spec_tree_width`` w > 1 they form EAGLE-2's dynamic tree (``dynamic_tree``): each pass runs
+the tree so far through the head (its nodes attend their ancestors only) to expand the w most
+likely nodes of the newest depth by w tokens each.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.spec.draft_vocab import to_token_ids
 from lmserve.spec.eagle_heads import EagleHeads
-from lmserve.spec.tree import DraftTree
+from lmserve.spec.dynamic_tree import CandidateTree
 from lmserve.step import SeqStep, StepInput
 
 # Features a sequence may hold before the head runs them, drafting or not.
@@ -155,8 +157,8 @@ class _Pending:
 
 
 class EagleDrafter:
-    """Greedy drafts from an EAGLE head's runner, with the ``width`` best tokens at each depth
-    (the best continue the chain); at most ``max_pass_tokens`` tokens a pass."""
+    """Drafts from an EAGLE head's runner: a chain of its best tokens, or (``width`` > 1) an
+    EAGLE-2 dynamic tree; at most ``max_pass_tokens`` tokens a catch-up pass."""
 
     def __init__(self, runner: ModelRunner, aux_layers: tuple[int, ...], max_pass_tokens: int,
                  width: int = 1) -> None:
@@ -188,31 +190,49 @@ class EagleDrafter:
     def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
         drafting = [c for c, depth in depths.items() if depth]
         lagging = [c for c in batch.chunks if c not in depths and _backlog(c.seq) >= CATCH_UP_TOKENS]
-        levels: dict[ScheduledChunk, list[list[int]]] = {}
-        hidden: dict[ScheduledChunk, torch.Tensor] = {}
-        for c, (candidates, h) in self._catch_up(drafting + lagging, set(drafting)).items():
-            levels[c], hidden[c] = [candidates], h
-        drafting = [c for c in drafting if c in levels]
+        trees: dict[ScheduledChunk, CandidateTree] = {}
+        # Per drafting chunk: the nodes the head has run (depth by depth), and the feature each
+        # one reads (the head's hidden state at its parent) or, once run, its own hidden state.
+        ran: dict[ScheduledChunk, list[int]] = {}
+        inputs: dict[ScheduledChunk, list[torch.Tensor]] = {}
+        outputs: dict[ScheduledChunk, dict[int, torch.Tensor]] = {}
+        for c, ((tokens, log_probs), h) in self._catch_up(drafting + lagging, set(drafting)).items():
+            trees[c] = CandidateTree()
+            trees[c].add_children(-1, tokens, log_probs)
+            ran[c], inputs[c], outputs[c] = [], [], {-1: h}
+        drafting = [c for c in drafting if c in trees]
         for depth in range(1, max((depths[c] for c in drafting), default=0)):
             deeper = [c for c in drafting if depths[c] > depth]
-            # The head's own prediction at the previous position, with the token it drafted.
-            steps = [SeqStep(start=c.seq.num_draft_computed + depth - 1, token_ids=[levels[c][-1][0]],
-                             page_table=list(c.seq.pages), num_logits=1) for c in deeper]
-            features = torch.stack([hidden[c] for c in deeper])
-            logits = self.runner.execute(StepInput(steps), features)
-            top = self._top(logits)
-            for i, c in enumerate(deeper):
-                levels[c].append(top[i])
-                hidden[c] = self.runner.last_hidden[i]
+            expand = {}
+            for c in deeper:  # within the chunk's slots: node i's head KV goes to slot start + i
+                expand[c] = trees[c].frontier(depth, min(self.width, c.num_lookahead - len(ran[c])))
+                ran[c] += expand[c]
+                inputs[c] += [outputs[c][trees[c].parents[i]] for i in expand[c]]
+            deeper = [c for c in deeper if expand[c]]
+            if not deeper:
+                break
+            # The head re-runs each chunk's nodes so far, as a tree, for its new ones' logits.
+            steps = [SeqStep(start=c.seq.num_draft_computed,
+                             token_ids=[trees[c].token_ids[i] for i in ran[c]],
+                             page_table=list(c.seq.pages), num_logits=len(expand[c]),
+                             tree_parents=_step_parents(trees[c], ran[c])) for c in deeper]
+            logits = self.runner.execute(StepInput(steps), torch.stack([f for c in deeper for f in inputs[c]]))
+            top, row = self._top(logits), 0
+            for c in deeper:
+                for node in expand[c]:
+                    trees[c].add_children(node, *top[row])
+                    outputs[c][node] = self.runner.last_hidden[row]
+                    row += 1
         for c in drafting:
-            c.draft = DraftTree.from_candidates(levels[c], c.num_lookahead)
+            c.draft = trees[c].select(c.num_lookahead)
 
-    def _top(self, logits: torch.Tensor) -> list[list[int]]:
-        """Each row's ``width`` best token ids, best first."""
+    def _top(self, logits: torch.Tensor) -> list[tuple[list[int], list[float]]]:
+        """Each row's ``width`` best token ids, best first, with their log-probabilities."""
         if not logits.numel():
             return []
-        indices = logits.topk(self.width, dim=-1).indices
-        return to_token_ids(indices, self.runner.model.draft_to_target).tolist()
+        best = logits.float().log_softmax(dim=-1).topk(self.width, dim=-1)
+        ids = to_token_ids(best.indices, self.runner.model.draft_to_target).tolist()
+        return list(zip(ids, best.values.tolist()))
 
     def _catch_up(self, chunks: list[ScheduledChunk], drafting: set[ScheduledChunk]
                   ) -> dict[ScheduledChunk, tuple[list[int], torch.Tensor]]:
@@ -247,6 +267,12 @@ class EagleDrafter:
                     first[c] = (top[row], self.runner.last_hidden[row])
                     row += 1
         return first
+
+
+def _step_parents(tree: CandidateTree, nodes: list[int]) -> list[int]:
+    """Each of ``nodes``' parent as its index in ``nodes`` (-1: the head's cached context)."""
+    index = {-1: -1} | {node: i for i, node in enumerate(nodes)}
+    return [index[tree.parents[node]] for node in nodes]
 
 
 def _backlog(seq: Sequence) -> int:
