@@ -80,24 +80,30 @@ def generate_tokens(engine: Engine, prompt: list[int], params, request_id=None) 
             for d in out.deltas for t in d.token_ids]
 
 
-def run_concurrently(engine: Engine, prompts, params, delays=None) -> list[list[int]]:
-    """Send every prompt from its own thread, all released together (each after its optional
-    delay in seconds); return each request's tokens."""
-    results: list = [None] * len(prompts)
-    start = threading.Barrier(len(prompts))
+def concurrently(fn, items: list, delays=None) -> list:
+    """``fn(item)`` for every item, each from its own thread, all released together (each after
+    its optional delay in seconds), and the results in order."""
+    results: list = [None] * len(items)
+    start = threading.Barrier(len(items))
 
     def worker(i):
         start.wait()
         if delays:
             time.sleep(delays[i])
-        results[i] = generate_tokens(engine, prompts[i], params)
+        results[i] = fn(items[i])
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(items))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(300)
     return results
+
+
+def run_concurrently(engine: Engine, prompts, params, delays=None) -> list[list[int]]:
+    """Send every prompt from its own thread, all released together (each after its optional
+    delay in seconds); return each request's tokens."""
+    return concurrently(lambda p: generate_tokens(engine, p, params), prompts, delays)
 
 
 def churn_with_aborts(engine: AsyncEngine, n: int) -> None:
@@ -133,11 +139,13 @@ def sixth_token_draws(engine: Engine, prompt: list[int], rounds: int = 50) -> li
     """The sixth token of 8 unseeded choices (temperature 1, top-k 8) per round: a draw of a
     token that a drafter drafted in most steps."""
     params = SamplingParams(temperature=1.0, top_k=8, max_tokens=6, n=8, ignore_eos=True)
-    out = []
-    for _ in range(rounds):
+
+    def draws(_) -> list[int]:
         deltas = [d for o in engine.generate(prompt, params) for d in o.deltas]
-        out += [[t for d in deltas if d.index == i for t in d.token_ids][5] for i in range(8)]
-    return out
+        return [[t for d in deltas if d.index == i for t in d.token_ids][5] for i in range(8)]
+
+    # All rounds at once: as many run together as the engine's batch holds.
+    return [t for round_ in concurrently(draws, list(range(rounds))) for t in round_]
 
 
 def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
@@ -157,7 +165,7 @@ def assert_drafts_keep_the_distribution(model_dir: str, **speculation) -> None:
     prompt = list(range(300, 320))
     draws, counts = [], None
     for extra in ({}, speculation):
-        engine = Engine(model=model_dir, opt="O0", max_num_sequence=8, verbose=False, **extra)
+        engine = Engine(model=model_dir, opt="O0", max_num_sequence=32, verbose=False, **extra)
         try:
             draws.append(sixth_token_draws(engine, prompt))
             stats = engine.stats()

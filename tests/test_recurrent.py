@@ -48,15 +48,15 @@ def engines(model_dirs):
 
 
 def reference(hf_model, prompt: list[int], n: int = GREEDY.max_tokens) -> list[int]:
-    return hf_greedy_uncached(hf_model, prompt, n)[0]
+    return hf_greedy_uncached(hf_model, prompt, n)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @torch.inference_mode()
 def test_greedy_tokens_and_logprobs_match_transformers(arch, engines, hf_models):
     """Prompts within one chunk and over three (scanned chunk by chunk, the state carried)."""
-    for prompt in (list(range(100, 110)), list(range(500, 550))):
-        assert_matches_transformers(engines[arch], hf_models[arch], prompt, 16, hf_greedy_uncached)
+    assert_matches_transformers(engines[arch], hf_models[arch],
+                                [list(range(100, 110)), list(range(500, 550))], 16)
 
 
 @torch.inference_mode()
@@ -67,7 +67,7 @@ def test_partial_rotary_with_attention_biases(tmp_path):
     Tokenizer.from_model(builtin_model_path()).hf.save_pretrained(tmp_path)
     engine = Engine(model=str(tmp_path), opt="O0", verbose=False)
     try:
-        assert_matches_transformers(engine, hf, list(range(600, 630)), 8, hf_greedy_uncached)
+        assert_matches_transformers(engine, hf, [list(range(600, 630))], 8)
     finally:
         engine.shutdown()
 

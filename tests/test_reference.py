@@ -7,6 +7,7 @@ float32, so the weights are identical and only the arithmetic differs.
 import pytest
 import torch
 
+from conftest import concurrently
 from lmserve import Engine, SamplingParams
 from prompts import CHAT_PROMPTS, long_prompt
 
@@ -15,20 +16,6 @@ NEW_TOKENS = 64
 # moves log-probabilities by a few 1e-5. 1e-3 leaves margin without hiding a real bug, which
 # shifts them by 1e-1 or more.
 LOGPROB_TOL = 1e-3
-
-
-def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy continuation (eos ignored) and its log-probs at each new position."""
-    ids = torch.tensor([prompt_ids])
-    out = model(ids, use_cache=True)
-    cache, logits = out.cache, out.logits[0, -1]
-    tokens, logprobs = [], []
-    for _ in range(n):
-        logprobs.append(torch.log_softmax(logits.float(), -1))
-        tokens.append(int(logits.argmax()))
-        out = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
-        cache, logits = out.cache, out.logits[0, -1]
-    return tokens, torch.stack(logprobs)
 
 
 @pytest.fixture(scope="module")
@@ -51,52 +38,59 @@ def test_prompts_are_varied_and_one_is_long(prompts):
     assert max(len(p) for p in prompts) > 1000
 
 
-def hf_greedy_uncached(model, prompt_ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """``hf_greedy`` by a whole forward pass per token, without transformers' cache: the model's
-    definition, where a model's cached decode path disagrees with it (Bamba's, in transformers
-    5.24, by 1e-3 in log-prob after a few tokens)."""
-    tokens, logprobs = [], []
+def hf_greedy_uncached(model, prompt_ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation (eos ignored), by a whole forward pass per token: the
+    model's definition, where a model's cached decode path disagrees with it (Bamba's, in
+    transformers 5.24, by 1e-3 in log-prob after a few tokens)."""
+    tokens: list[int] = []
     for _ in range(n):
-        logits = model(torch.tensor([prompt_ids + tokens])).logits[0, -1]
-        logprobs.append(torch.log_softmax(logits.float(), -1))
-        tokens.append(int(logits.argmax()))
-    return tokens, torch.stack(logprobs)
+        tokens.append(int(model(torch.tensor([prompt_ids + tokens])).logits[0, -1].argmax()))
+    return tokens
 
 
-def assert_matches_transformers(engine: Engine, hf_model, prompt: list[int], new_tokens: int,
-                                reference=hf_greedy) -> None:
-    """``engine``'s greedy tokens equal transformers', and every reported top-5 log-prob agrees
-    with transformers' at that position (teacher-forced on the shared tokens). ``reference``:
-    ``hf_greedy`` or ``hf_greedy_uncached``."""
+def hf_logprobs(model, prompt_ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' log-probs ``(len(tokens), V)`` of the token after the prompt and after each
+    prefix of ``tokens``: one forward pass, teacher-forced on ``tokens``."""
+    ids = torch.tensor([prompt_ids + tokens[:-1]])
+    return torch.log_softmax(model(ids, logits_to_keep=len(tokens)).logits[0].float(), -1)
+
+
+def assert_matches_transformers(engine: Engine, hf_model, prompts: list[list[int]],
+                                new_tokens: int) -> None:
+    """``engine``'s greedy tokens for each prompt (all sent at once: in batch company) are
+    transformers', and every reported top-5 log-prob agrees with transformers' at that position.
+    Checked teacher-forced: transformers' best token after each prefix of the engine's tokens is
+    the engine's next one, which makes them, by induction, transformers' greedy continuation."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=5)
-    deltas = [d for o in engine.generate(prompt, params) for d in o.deltas]
-    tokens = [t for d in deltas for t in d.token_ids]
-    ref_tokens, ref_logprobs = reference(hf_model, prompt, new_tokens)
-    assert tokens == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
-    lps = [lp for d in deltas for lp in d.logprobs]
-    for pos, lp in enumerate(lps):
-        assert abs(lp.logprob - ref_logprobs[pos, lp.token_id].item()) < LOGPROB_TOL
-        for tid, val in lp.top:
-            assert abs(val - ref_logprobs[pos, tid].item()) < LOGPROB_TOL
-        assert [t for t, _ in lp.top] == ref_logprobs[pos].topk(5).indices.tolist()
+    outputs = concurrently(lambda p: [d for o in engine.generate(p, params) for d in o.deltas],
+                           prompts)
+    for prompt, deltas in zip(prompts, outputs):
+        tokens = [t for d in deltas for t in d.token_ids]
+        ref_logprobs = hf_logprobs(hf_model, prompt, tokens)
+        assert tokens == ref_logprobs.argmax(-1).tolist(), f"prompt of {len(prompt)} tokens diverged"
+        lps = [lp for d in deltas for lp in d.logprobs]
+        assert len(lps) == len(tokens) == new_tokens
+        for pos, lp in enumerate(lps):
+            assert abs(lp.logprob - ref_logprobs[pos, lp.token_id].item()) < LOGPROB_TOL
+            for tid, val in lp.top:
+                assert abs(val - ref_logprobs[pos, tid].item()) < LOGPROB_TOL
+            assert [t for t, _ in lp.top] == ref_logprobs[pos].topk(5).indices.tolist()
 
 
-@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 @torch.inference_mode()
 def test_greedy_tokens_and_logprobs_match_transformers(reference_engine, hf_builtin, prompts):
-    for prompt in prompts:
-        assert_matches_transformers(reference_engine, hf_builtin, prompt, NEW_TOKENS)
+    assert_matches_transformers(reference_engine, hf_builtin, prompts, NEW_TOKENS)
 
 
-@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 @torch.inference_mode()
 def test_compiled_torch_path_matches_transformers(hf_builtin, prompts):
     """opt compile=1: the layers' torch ops as compiled graphs keep the reference's tokens and
-    log-probs (the chat prompts, fewer tokens: the long prompt adds nothing compiled)."""
+    log-probs, for a prompt alone and for the chat prompts together (steps of one token and of
+    several run different graphs; fewer tokens: the long prompt adds nothing compiled)."""
     engine = Engine(opt="O0;compile=1", max_num_sequence=8, verbose=False)
     try:
         assert engine._core.runner.compiled is not None
-        for prompt in prompts[:-1]:
-            assert_matches_transformers(engine, hf_builtin, prompt, 24)
+        assert_matches_transformers(engine, hf_builtin, prompts[:1], 24)
+        assert_matches_transformers(engine, hf_builtin, prompts[:-1], 24)
     finally:
         engine.shutdown()

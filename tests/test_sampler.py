@@ -58,7 +58,7 @@ def test_greedy_is_argmax_and_takes_the_fast_path(logits, monkeypatch):
 
     monkeypatch.setattr(sampler, "_apply_bias_and_penalties", forbidden)
     monkeypatch.setattr(sampler, "_filtered_probs", forbidden)
-    monkeypatch.setattr(sampler, "_exponential_race", forbidden)
+    monkeypatch.setattr(sampler, "_draw", forbidden)
     result = sample(logits, batch)
     assert torch.equal(result.token_ids, logits.argmax(dim=-1))
     assert result.logprobs is None and result.top_ids is None
@@ -137,6 +137,8 @@ def test_top_p_support_is_the_nucleus():
     assert set(frequencies.nonzero().flatten().tolist()) == {0, 1}
     # Renormalised over the nucleus: 0.5 / 0.8 and 0.3 / 0.8.
     assert frequencies[0].item() == pytest.approx(0.625, abs=0.03)
+    # A top_p that rounds to 0 in float32 (the fuzzer sent 5e-324) keeps the most likely token.
+    assert draw_counts(probs.log(), SamplingParams(top_p=5e-324), 50)[0].item() == 1.0
 
 
 def test_min_p_excludes_tokens_below_the_threshold():

@@ -12,8 +12,8 @@ import random
 import numpy as np
 import pytest
 
-from conftest import (generate_tokens, homogeneity_pvalue, run_concurrently, sixth_token_draws,
-                      wait_idle)
+from conftest import (concurrently, generate_tokens, homogeneity_pvalue, run_concurrently,
+                      sixth_token_draws, wait_idle)
 from lmserve import Engine, SamplingParams
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
@@ -302,9 +302,10 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(builtin_engine, 
                              seed=s, repetition_penalty=1.05, presence_penalty=0.1, logprobs=2)
               for s in range(12)]
 
-    def outputs(engine):
-        return [[(lp.token_id, round(lp.logprob, 3)) for o in engine.generate(prompts[i % 3], p)
-                 for d in o.deltas for lp in d.logprobs] for i, p in enumerate(params)]
+    def outputs(engine):  # every request at once, in batch company
+        return concurrently(lambda i: [(lp.token_id, round(lp.logprob, 3))
+                                       for o in engine.generate(prompts[i % 3], params[i])
+                                       for d in o.deltas for lp in d.logprobs], list(range(12)))
 
     spec = Engine(max_num_sequence=8, verbose=False, speculative_mode="ngram", spec_draft_length=4,
                   spec_tree_width=width)
@@ -316,17 +317,16 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(builtin_engine, 
         spec.shutdown()
 
 
-def test_unseeded_sampling_follows_the_targets_distribution(builtin_engine, prompts):
+def test_unseeded_sampling_follows_the_targets_distribution(prompts):
     """Without a seed (one shared generator), a token that was drafted is distributed as
     without speculation: a chi-square test of homogeneity over 400 draws each, at 0.1%."""
-    spec = Engine(max_num_sequence=8, verbose=False, speculative_mode="ngram", spec_draft_length=3)
-    try:
-        a, b = sixth_token_draws(builtin_engine, prompts[0]), sixth_token_draws(spec, prompts[0])
-        stats = spec.stats()
-        assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
-    finally:
-        spec.shutdown()
-    assert homogeneity_pvalue(a, b) > 0.001
+    draws = []
+    for speculation in ({}, dict(speculative_mode="ngram", spec_draft_length=3)):
+        with Engine(max_num_sequence=32, verbose=False, **speculation) as engine:
+            draws.append(sixth_token_draws(engine, prompts[0]))
+            stats = engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert homogeneity_pvalue(*draws) > 0.001
 
 
 def test_two_hundred_requests_aborted_at_random_points_leave_no_page(tiny_model_dir):
