@@ -287,17 +287,37 @@ def _top_k_(x: torch.Tensor, k: torch.Tensor, max_k: int) -> None:
     x.masked_fill_(x < kth, float("-inf"))
 
 
+# Top-p looks for the nucleus among each row's most likely tokens first: a partial selection,
+# where sorting the whole vocabulary costs 3 ms a row on a CPU. Rows whose nucleus is wider sort.
+_TOP_P_CANDIDATES = 1024
+
+
 def _top_p_(x: torch.Tensor, top_p: torch.Tensor) -> None:
     """Keep each row's most likely tokens until their mass reaches ``top_p``."""
     probs = x.softmax(dim=-1)  # (B, V)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # (B, V) each
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
+    candidates = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[-1]), dim=-1)  # (B, C) each
+    vocab_size = probs.shape[-1]
+    drop = _outside_nucleus(candidates.values, candidates.indices, top_p, vocab_size)  # (B, V)
+    wide = (candidates.values.sum(dim=-1) < top_p) & (top_p < 1.0)  # (B,)
+    if wide.any():
+        sorted_probs, order = probs[wide].sort(dim=-1, descending=True)
+        drop[wide] = _outside_nucleus(sorted_probs, order, top_p[wide], vocab_size)
+    x.masked_fill_(drop, float("-inf"))
+
+
+def _outside_nucleus(sorted_probs: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor,
+                     vocab_size: int) -> torch.Tensor:
+    """The tokens ``(B, V)`` outside each row's nucleus, given its most likely tokens' ``order``
+    and probabilities ``(B, C)``, descending (C < V: the tokens past them are outside)."""
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, C)
     # Rows at 1.0 are exempt: rounding in the cumsum can push mass_before past 1 and drop
     # tail tokens.
-    drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]  # (B, V)
-    drop_sorted[:, 0] = False  # the most likely token always stays (top_p may round to 0)
-    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)  # (B, V)
-    x.masked_fill_(drop, float("-inf"))
+    exempt = (top_p >= 1.0)[:, None]  # (B, 1)
+    keep_sorted = (mass_before < top_p[:, None]) | exempt  # (B, C)
+    keep_sorted[:, 0] = True  # the most likely token always stays (top_p may round to 0)
+    keep = exempt.expand(-1, vocab_size).clone()  # (B, V)
+    keep.scatter_(1, order, keep_sorted)
+    return ~keep
 
 
 def _min_p_(x: torch.Tensor, min_p: torch.Tensor) -> None:

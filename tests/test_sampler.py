@@ -141,6 +141,22 @@ def test_top_p_support_is_the_nucleus():
     assert draw_counts(probs.log(), SamplingParams(top_p=5e-324), 50)[0].item() == 1.0
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999, 1.0])
+def test_top_p_keeps_the_nucleus_however_wide(top_p):
+    """Against a plain full sort: rows whose nucleus lies within the most likely 1,024 tokens
+    (peaked) and rows where it does not (flat), in one batch."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 5000, generator=g) * torch.tensor([[8.0], [0.1], [3.0], [0.5]])
+    x = logits.clone()
+    sampler._top_p_(x, torch.full((4,), top_p))
+    for row in range(4):
+        probs = logits[row].softmax(-1)
+        order = probs.argsort(descending=True)
+        before = probs[order].cumsum(0) - probs[order]
+        nucleus = order[(before < top_p) | (top_p >= 1.0)]
+        assert set(x[row].isfinite().nonzero().flatten().tolist()) == set(nucleus.tolist())
+
+
 def test_min_p_excludes_tokens_below_the_threshold():
     probs = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04])
     # Threshold 0.15 * 0.5 = 0.075: tokens 3 and 4 are out.
