@@ -133,10 +133,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def split_prompts(prompts: list[str], num_train: int, num_held_out: int, seed: int
                   ) -> tuple[list[str], list[str]]:
-    """The prompts to train on and the held-out ones, drawn apart at random by ``seed``."""
+    """The prompts to train on and the held-out ones, drawn apart at random by ``seed``. The
+    held-out ones are the same whatever ``num_train`` is, so that runs on more or less data
+    are measured alike."""
     shuffled = list(prompts)
     random.Random(seed).shuffle(shuffled)
-    return shuffled[:num_train], shuffled[num_train : num_train + num_held_out]
+    return shuffled[:num_train], shuffled[len(shuffled) - num_held_out:] if num_held_out else []
 
 
 def measure_acceptance(config, prompts: list[str], max_tokens: int
