@@ -182,13 +182,14 @@ def test_the_dynamic_tree_keeps_the_most_likely_paths():
     assert (draft.token_ids, draft.parents) == ([10, 30, 11, 12, 20, 31], [-1, 0, -1, -1, 2, 0])
 
 
+@pytest.mark.parametrize("width, depth, budget", [(3, 3, 7), (1, 4, 4)])
 @torch.inference_mode()
-def test_the_drafter_grows_eagle2s_tree_on_what_the_plain_head_predicts(target):
+def test_the_drafter_grows_eagle2s_tree_on_what_the_plain_head_predicts(target, width, depth, budget):
     """One sequence's EAGLE-2 tree from the engine's drafter (paged, batched, a pass per depth)
     against the same tree grown by brute force on ``EagleNet``: each node's head state from
-    running the head over the context and the node's own path."""
+    running the head over the context and the node's own path. Width 1: a chain, whose earlier
+    nodes' KV the head keeps between passes."""
     model_dir, args, nets, heads = target
-    width, depth, budget = 3, 3, 7
     engine = Engine(model=model_dir, opt="O0", verbose=False, speculative_mode="eagle",
                     additional_models=[heads["eagle1"]], kv_cache_page_size=16)
     try:
@@ -200,6 +201,9 @@ def test_the_drafter_grows_eagle2s_tree_on_what_the_plain_head_predicts(target):
         seq.pages, seq.num_computed = [0, 1, 2], len(tokens) - 1
         EagleDrafter.observe(seq, 0, features)
         chunk = ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=budget)
+        runner, passes = engine._core.draft_runner, []
+        execute = runner.execute
+        runner.execute = lambda *a: passes.append(execute(*a)) or passes[-1]
         drafter.propose(Batch([chunk]), {chunk: depth})
     finally:
         engine.shutdown()
@@ -222,7 +226,11 @@ def test_the_drafter_grows_eagle2s_tree_on_what_the_plain_head_predicts(target):
     for d in range(depth):
         for path in frontier:
             expand(path)
-        frontier = sorted([p for p in values if len(p) == d + 1], key=lambda p: -values[p])[:width]
+        last, frontier = frontier, sorted([p for p in values if len(p) == d + 1],
+                                          key=lambda p: -values[p])[:width]
+    # The drafter's last pass: the logits of the last nodes it expanded.
+    expected_logits = model.logits(torch.stack([states[p] for p in last]))
+    assert torch.allclose(passes[-1], expected_logits, atol=1e-4, rtol=1e-4)
     expected = set(sorted(values, key=lambda p: (-values[p], len(p)))[:budget])
     draft = chunk.draft
     got = {tuple(draft.token_ids[i] for i in draft.path(n)) for n in range(len(draft))}

@@ -68,7 +68,7 @@ def test_a_short_training_run_beats_untrained_heads_and_changes_no_output(kind, 
 def test_prompt_files_and_bad_arguments_are_refused_with_reasons(tmp_path, capsys):
     # Held-out prompts do not depend on how many train (runs on more data are measured alike).
     prompts = builtin_prompts()
-    (few, held_out), (many, same) = (split_prompts(prompts, n, 16, 0) for n in (10, 312))
+    (_, held_out), (many, same) = (split_prompts(prompts, n, 16, 0) for n in (10, 312))
     assert held_out == same and len(held_out) == 16 and not set(many) & set(held_out)
     lines = tmp_path / "prompts.txt"
     lines.write_text("Say hello.\n\nName a colour.\n")

@@ -211,12 +211,15 @@ class EagleDrafter:
             deeper = [c for c in deeper if expand[c]]
             if not deeper:
                 break
-            # The head re-runs each chunk's nodes so far, as a tree, for its new ones' logits.
-            steps = [SeqStep(start=c.seq.num_draft_computed,
-                             token_ids=[trees[c].token_ids[i] for i in ran[c]],
+            # The head re-runs each chunk's nodes so far, as a tree, for its new ones' logits;
+            # a chain above all of them keeps its KV (at width 1: the whole chain).
+            kept = {c: _common_chain(trees[c], ran[c]) for c in deeper}
+            steps = [SeqStep(start=c.seq.num_draft_computed + kept[c],
+                             token_ids=[trees[c].token_ids[i] for i in ran[c][kept[c]:]],
                              page_table=list(c.seq.pages), num_logits=len(expand[c]),
-                             tree_parents=_step_parents(trees[c], ran[c])) for c in deeper]
-            logits = self.runner.execute(StepInput(steps), torch.stack([f for c in deeper for f in inputs[c]]))
+                             tree_parents=_step_parents(trees[c], ran[c][kept[c]:])) for c in deeper]
+            features = torch.stack([f for c in deeper for f in inputs[c][kept[c]:]])
+            logits = self.runner.execute(StepInput(steps), features)
             top, row = self._top(logits), 0
             for c in deeper:
                 for node in expand[c]:
@@ -269,10 +272,23 @@ class EagleDrafter:
         return first
 
 
+def _common_chain(tree: CandidateTree, nodes: list[int]) -> int:
+    """How many of ``nodes`` (the head's nodes so far, depth by depth, the newest last) lead
+    them one per depth: every later node descends from those, so their KV in slots
+    ``start + i`` is exactly the ancestors' that the later nodes attend, and a pass need not run
+    them again."""
+    depths = [tree.depths[m] for m in nodes]
+    n = 0
+    while n < len(nodes) - 1 and depths.count(n + 1) == 1:
+        n += 1
+    return n
+
+
 def _step_parents(tree: CandidateTree, nodes: list[int]) -> list[int]:
-    """Each of ``nodes``' parent as its index in ``nodes`` (-1: the head's cached context)."""
-    index = {-1: -1} | {node: i for i, node in enumerate(nodes)}
-    return [index[tree.parents[node]] for node in nodes]
+    """Each of ``nodes``' parent as its index in ``nodes``; -1 for a parent in the head's
+    cached context (the newest token, or the last node of a kept chain)."""
+    index = {node: i for i, node in enumerate(nodes)}
+    return [index.get(tree.parents[node], -1) for node in nodes]
 
 
 def _backlog(seq: Sequence) -> int:
