@@ -235,6 +235,18 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             keep_alive_timeout=args.keep_alive_timeout)
     except ValueError as err:
         parser.error(str(err))
+    _place_hosts(args)
+    from lmserve.parallel.group import world_size
+    from lmserve.parallel.placement import placement
+
+    try:
+        rank = placement(world_size(config)).rank
+    except ValueError as err:
+        parser.error(str(err))
+    if rank != 0:  # another host's ranks (or torchrun's): they compute, rank 0 serves
+        from lmserve.parallel.rank import serve_host_ranks
+
+        return serve_host_ranks(config)
     # FastAPI and uvicorn load only for this command.
     from lmserve.engine.async_engine import AsyncEngine
     from lmserve.server.run import serve
@@ -253,6 +265,17 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             signal.signal(sig, signal.SIG_IGN)
         engine.shutdown()  # serve already did, unless it failed to start (at most 10 s)
     return 0
+
+
+def _place_hosts(args: argparse.Namespace) -> None:
+    """Hand --nnodes and the others to the engine's ranks the way torchrun hands its own: in
+    the environment (``lmserve.parallel.placement``)."""
+    if args.nnodes != 1 or args.node_rank != 0:
+        os.environ["LMSERVE_NNODES"] = str(args.nnodes)
+        os.environ["LMSERVE_NODE_RANK"] = str(args.node_rank)
+    os.environ.setdefault("MASTER_ADDR", args.master_addr)
+    if args.master_port is not None:
+        os.environ["MASTER_PORT"] = str(args.master_port)
 
 
 def _exit_0(sig: int, frame: Any) -> None:
@@ -304,6 +327,19 @@ def _add_serve(commands: Any) -> None:
     http.add_argument("--log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug", "trace"],
                       help="uvicorn's log level; 'warning' drops the access log (default: %(default)s)")
+    hosts = serve.add_argument_group(
+        "hosts", "a parallel engine over several hosts (--tensor-parallel-shards and "
+                 "--pipeline-parallel-stages): the same command on each, with its --node-rank; "
+                 "node 0 serves HTTP, the others only compute (torchrun's RANK, WORLD_SIZE, "
+                 "MASTER_ADDR and MASTER_PORT work too)")
+    hosts.add_argument("--nnodes", type=int, metavar="K", default=1, help="hosts (default: 1)")
+    hosts.add_argument("--node-rank", type=int, metavar="R", default=0,
+                       help="this host's place, 0..K-1 (default: 0)")
+    hosts.add_argument("--master-addr", metavar="A", default="127.0.0.1",
+                       help="node 0's address, where the ranks meet (default: %(default)s)")
+    hosts.add_argument("--master-port", type=int, metavar="P",
+                       help="a free TCP port on node 0 for the ranks to meet (needed with "
+                            "--nnodes > 1; default: any free port)")
     add_engine_args(serve)
     _add_generation_config(serve)
     serve.set_defaults(handler=_run_serve, parser=serve)

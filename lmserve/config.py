@@ -379,6 +379,10 @@ def _check_combinations(c: EngineConfig) -> None:
     if c.speculative_mode == "small_draft" and len(c.additional_models) > 1:
         raise ValueError(f"speculative_mode='small_draft' uses one draft model, but "
                          f"additional_models has {len(c.additional_models)}: {c.additional_models!r}")
+    if (c.tensor_parallel_shards or 1) > 1 and parse_opt(c.opt).compile:
+        raise ValueError(f"opt={c.opt!r} compiles the layers with torch.compile, which does not "
+                         f"see tensor parallelism's all-reduce; with tensor_parallel_shards="
+                         f"{c.tensor_parallel_shards} leave compile off")
     if parse_opt(c.opt).draft_opt is not None and c.speculative_mode != "small_draft":
         raise ValueError(f"opt={c.opt!r} sets draft_opt, the draft model's level, but "
                          f"speculative_mode={c.speculative_mode!r} has no draft model")

@@ -21,7 +21,9 @@ from lmserve.attention.base import AttentionShape
 from lmserve.attention.window import AttentionWindow
 from lmserve.cache.kv import kv_bytes_per_head
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
+from lmserve.layers.linear import FLOAT_DTYPES
 from lmserve.models.args import ModelArgs
+from lmserve.parallel.shard import check_shardable, shard_args
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K
 from lmserve.spec.eagle_heads import eagle_heads_bytes
 from lmserve.spec.medusa import medusa_heads_bytes
@@ -65,6 +67,8 @@ class MemoryPlan:
     margin: int  # the runtime itself
     draft: int = 0  # of weights and kv: the draft model's weights and KV (small_draft)
     state: int = 0  # recurrent-state slots (Mamba-family models)
+    # Of weights: each tensor-parallel rank's (empty for one process). KV is split evenly.
+    rank_weights: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
@@ -118,6 +122,7 @@ class EnginePlan:
             ("runtime_margin", _gib(m.margin)),
             *([(_DRAFT_ROWS.get(self.speculative.split(" ")[0].rstrip(","), "draft_model"),
                 f"{_gib(m.draft)} of the weights and KV cache above")] if m.draft else []),
+            *([("per_rank", _describe_ranks(m))] if m.rank_weights else []),
             ("expected_memory", f"{_gib(m.total)} of a {_gib(m.budget)} budget "
                                 f"({_gib(m.device)} device)"),
         ]
@@ -152,8 +157,10 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
             heads = (eagle_heads_bytes if eagle else medusa_heads_bytes)(config.additional_models[0])
         except FileNotFoundError as err:
             raise FileNotFoundError(f"additional_models[0]: {err}") from None
-    weights = heads + sum(weight_bytes(a, o.weight_dtype, o.act_dtype)
-                          for a, o in models[: 1 if eagle else None])
+    tensor = config.tensor_parallel_shards or 1
+    rank_weights = rank_weight_bytes(args, opt, tensor) if tensor > 1 else ()
+    weights = heads + sum(rank_weights or [weight_bytes(args, opt.weight_dtype, opt.act_dtype)]) + sum(
+        weight_bytes(a, o.weight_dtype, o.act_dtype) for a, o in models[1: 1 if eagle else None])
     kv_per_token = sum(_kv_per_token(a, d) for (a, _), d in zip(models, kv_dtypes))
     margin = max(RUNTIME_MARGIN_BYTES, int(RUNTIME_MARGIN_FRACTION * budget))
     context = min(a.context_length for a, _ in models)
@@ -226,7 +233,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         draft = (heads or weight_bytes(draft_args, models[1][1].weight_dtype, models[1][1].act_dtype)) \
             + num_pages * page * _kv_per_token(draft_args, kv_dtypes[1])
     memory = MemoryPlan(device, budget, weights, kv_per_token, num_pages * page * kv_per_token,
-                        workspace, margin, draft, state.bytes if state else 0)
+                        workspace, margin, draft, state.bytes if state else 0, rank_weights)
     if window is not None and config.speculative_mode != "disable":
         deepest = config.spec_draft_length or MAX_ADAPTIVE_K
         if window.size <= deepest:
@@ -256,6 +263,13 @@ def resolve_window(size: Optional[int], sinks: Optional[int], args: ModelArgs
         return None, None
     return AttentionWindow(size, sinks or 0), (
         args.sliding_window_layers if own is not None else None)
+
+
+def _describe_ranks(m: MemoryPlan) -> str:
+    ranks = len(m.rank_weights)
+    kv = _gib(m.kv // ranks)
+    return (f"rank 0: weights {_gib(m.rank_weights[0])}, KV {kv}; ranks 1-{ranks - 1}: weights "
+            f"{_gib(m.rank_weights[1])}, KV {kv} each (the KV of each rank's heads)")
 
 
 def _describe_window(plan: EnginePlan) -> str:
@@ -298,6 +312,22 @@ def _speculative(config: EngineConfig, models: list[tuple[ModelArgs, OptFlags]])
     return f"{mode}, {length} per sequence and step"
 
 
+def head_bytes(args: ModelArgs, weight_format: str) -> int:
+    """Bytes of the language-model head beyond the embedding table (none when they are one
+    dense tensor)."""
+    if weight_format in ("float32", "float16") and args.tie_word_embeddings:
+        return 0
+    return int(args.vocab_size * args.hidden_size * _WEIGHT_BYTES[weight_format])
+
+
+def rank_weight_bytes(args: ModelArgs, opt: OptFlags, ranks: int) -> tuple[int, ...]:
+    """Each tensor-parallel rank's weights: its share of every layer, the whole embedding
+    table, and (rank 0 only) the head (see ``parallel.shard``)."""
+    check_shardable(args, ranks, opt.weight_dtype not in FLOAT_DTYPES)
+    first = weight_bytes(shard_args(args, ranks), opt.weight_dtype, opt.act_dtype)
+    return (first,) + (first - head_bytes(args, opt.weight_dtype),) * (ranks - 1)
+
+
 def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16") -> int:
     """Bytes of the model's weights as the engine holds them: the matmul weights in
     ``weight_format``, the embedding table dense in ``act_dtype`` (a separate copy when the
@@ -309,7 +339,7 @@ def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16
     embed = args.vocab_size * d
     dense = weight_format in ("float32", "float16")  # torch tensors; the head shares the table
     table = embed * (per_weight if dense else _TABLE_BYTES[act_dtype])
-    head = 0 if dense and args.tie_word_embeddings else embed * per_weight
+    head = head_bytes(args, weight_format)
     norms = (2 * args.num_layers + 1) * d
     matmuls = len(args.attention_layers) * attn + args.num_layers * mlp
     if args.ssm is not None:  # in/out projections as weight_format; the rest float32

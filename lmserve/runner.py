@@ -3,7 +3,7 @@ logits asked for."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -15,6 +15,7 @@ from lmserve.layers.ssm import StateMeta, StateRun
 from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.models.llama import ForwardContext
+from lmserve.parallel.all_reduce import AllReduce
 from lmserve.step import StepInput
 
 
@@ -26,13 +27,15 @@ class ModelRunner:
                  window: Optional[AttentionWindow] = None,
                  window_layers: Optional[tuple[int, ...]] = None,
                  states: Optional[StateCache] = None,
-                 ssm_kernels: Optional[SSMKernels] = None) -> None:
+                 ssm_kernels: Optional[SSMKernels] = None,
+                 all_reduce: Optional[AllReduce] = None) -> None:
         """``ops``: the element-wise layer ops (``layers.fused.TorchOps`` or ``FusedOps``);
         ``states``: the recurrent layers' state slots (Mamba-family models), or None, and
         ``ssm_kernels`` their C++ decode kernels (or None: the torch path);
         ``compiled``: the layers' torch ops as compiled graphs (opt compile=1), or None;
         ``window``: the sliding window of ``window_layers`` (None: every layer), or None;
-        ``max_positions``: the rotary table's (later positions are computed when met)."""
+        ``max_positions``: the rotary table's (later positions are computed when met);
+        ``all_reduce``: a tensor-parallel rank's, which sums the layers' partial outputs."""
         self.model = model
         self.compiled = compiled
         self.kv = kv
@@ -42,6 +45,7 @@ class ModelRunner:
         self.window = window
         self.states = states
         self.ssm_kernels = ssm_kernels
+        self.all_reduce = all_reduce
         num_layers = model.args.num_layers
         layers = range(num_layers) if window_layers is None else window_layers
         self.windowed = tuple(window is not None and i in layers for i in range(num_layers))
@@ -53,12 +57,14 @@ class ModelRunner:
         self.feature_layers: Optional[tuple[int, ...]] = None
         self.features: Optional[torch.Tensor] = None  # (T, F)
         self.layer_calls = model.layer_calls(backend, ops, kv, self.windowed,
-                                             window is not None and window.sinks > 0)
+                                             window is not None and window.sinks > 0, all_reduce)
 
-    def execute(self, step: StepInput, features: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def execute(self, step: StepInput, features: Optional[torch.Tensor] = None,
+                logits: bool = True) -> torch.Tensor:
         """Logits ``(step.num_logits, V)``: each sequence's rows, for its last ``num_logits``
         tokens in order, sequences in step order. ``features``: a row per token of the step, for
-        a model that reads them beside the tokens (an EAGLE draft)."""
+        a model that reads them beside the tokens (an EAGLE draft). ``logits=False``: the hidden
+        states of those rows instead (a tensor-parallel rank that does not sample)."""
         input_ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []  # flat index of each token whose logits are wanted
@@ -105,6 +111,7 @@ class ModelRunner:
             state_meta=state_meta,
             ssm_kernels=self.ssm_kernels,
             capture=self.feature_layers or (),
+            all_reduce=self.all_reduce,
         )
         ids = torch.tensor(input_ids, device=self.device)
         hidden = self.model.forward(ids, ctx) if features is None else \
@@ -117,7 +124,11 @@ class ModelRunner:
             return self.last_hidden
         # The hidden state of each logit row (an EAGLE draft's next input).
         self.last_hidden = hidden[torch.tensor(rows, device=self.device)]  # (R, D)
-        return self.model.logits(self.last_hidden)  # (R, V)
+        return self.model.logits(self.last_hidden) if logits else self.last_hidden  # (R, V)
+
+    def discard_kv(self, pages: list[int], is_free: Callable[[int], bool]) -> None:
+        """Give the memory of free KV ``pages`` back to the system (``KVCache.discard``)."""
+        self.kv.discard(pages, is_free)
 
     def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
         """Move KV between cache slots (a verified draft tree's path into place)."""

@@ -6,6 +6,7 @@ page ids."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -22,6 +23,8 @@ from lmserve.layers.linear import FLOAT_DTYPES, resolve_act_dtype, resolve_weigh
 from lmserve.models.args import ModelArgs
 from lmserve.models.loader import load_weights
 from lmserve.models.registry import model_class
+from lmserve.parallel.all_reduce import AllReduce
+from lmserve.parallel.shard import TensorShard, check_shardable, shard_args, shard_weights
 from lmserve.plan import EnginePlan
 from lmserve.runner import ModelRunner
 
@@ -29,14 +32,22 @@ logger = logging.getLogger("lmserve")
 
 
 def build_worker(model_path: str, args: ModelArgs, plan: EnginePlan, opt: OptFlags,
-                 device: torch.device) -> ModelRunner:
+                 device: torch.device, shard: Optional[TensorShard] = None,
+                 all_reduce: Optional[AllReduce] = None) -> ModelRunner:
     """Load the weights of ``model_path`` as ``opt`` asks and build the runner over a KV cache
-    of ``plan.num_pages`` pages."""
+    of ``plan.num_pages`` pages. ``shard``: this rank's part of a tensor-parallel model, whose
+    partial outputs ``all_reduce`` sums."""
     weight_format = resolve_weight_format(opt.weight_dtype)
-    weights = load_weights(model_path, keep_blocks=weight_format not in FLOAT_DTYPES)
+    blocks = weight_format not in FLOAT_DTYPES
+    weights = load_weights(model_path, keep_blocks=blocks)
+    if shard is not None:
+        check_shardable(args, shard.size, blocks)
+        weights = shard_weights(weights, args, shard)
+        args = shard_args(args, shard.size)
     act = resolve_act_dtype(opt.act_dtype)
     mlp_act = resolve_act_dtype(opt.mlp_act_dtype) if opt.mlp_act_dtype else act
-    model = model_class(args.architecture)(args, weights, weight_format, act, mlp_act)
+    model = model_class(args.architecture)(args, weights, weight_format, act, mlp_act,
+                                           head=shard is None or shard.rank == 0)
     del weights
 
     shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
@@ -62,4 +73,4 @@ def build_worker(model_path: str, args: ModelArgs, plan: EnginePlan, opt: OptFla
     # The C++ path has the recurrent layers' decode kernels too.
     ssm_kernels = SSMKernels.create() if states is not None and isinstance(ops, FusedOps) else None
     return ModelRunner(model, kv, backend, ops, positions, device, compiled, plan.window,
-                       plan.window_layers, states, ssm_kernels)
+                       plan.window_layers, states, ssm_kernels, all_reduce)

@@ -307,6 +307,7 @@ def test_default_config_is_supported():
         {"speculative_mode": "eagle", "additional_models": ["head"]},
         {"sliding_window_size": 512},
         {"sliding_window_size": 512, "attention_sink_size": 4},
+        {"tensor_parallel_shards": 2},
     ],
 )
 def test_built_features_are_supported(kwargs):
@@ -315,7 +316,6 @@ def test_built_features_are_supported(kwargs):
 
 UNBUILT = [
     ({"model_lib": "model.so"}, "model_lib"),
-    ({"tensor_parallel_shards": 2}, "tensor_parallel_shards"),
     ({"pipeline_parallel_stages": 2}, "pipeline_parallel_stages"),
     ({"speculative_mode": "small_draft", "additional_models": [("d", "d.so")]}, "additional_models"),
 ]
@@ -331,6 +331,6 @@ def test_unbuilt_features_are_refused_by_name(kwargs, field):
 
 def test_every_unbuilt_feature_is_reported_at_once():
     with pytest.raises(NotImplementedError) as info:
-        check_supported(EngineConfig(model_lib="x.so", tensor_parallel_shards=4))
+        check_supported(EngineConfig(model_lib="x.so", pipeline_parallel_stages=4))
     assert "model_lib='x.so'" in str(info.value)
-    assert "tensor_parallel_shards=4" in str(info.value)
+    assert "pipeline_parallel_stages=4" in str(info.value)

@@ -20,6 +20,9 @@ from lmserve.cache.state_manager import StateManager
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
 from lmserve.models.loader import read_model_args, resolve_model_path
+from lmserve.parallel.driver import ParallelRunner
+from lmserve.parallel.group import ParallelGroup, world_size
+from lmserve.parallel.rank import build_rank
 from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
 from lmserve.plan import make_plan, resolve_window
 from lmserve.protocol import InvalidRequestError
@@ -67,40 +70,49 @@ class EngineCore:
         opt = parse_opt(config.opt)
         self.device = torch.device("cpu")
 
-        self.runner = build_worker(path, self.args, self.plan, opt, self.device)
-        # A draft model is a second worker over the same page ids (its own KV tensors). Under a
-        # window on every layer it attends within the same window (pages past it are given
-        # back; its drafts only need to be good guesses), else within its own, if any.
-        self.draft_runner = None
-        if draft_args is not None:
-            draft_plan = dataclasses.replace(self.plan, kv_dtype=self.plan.draft_kv_dtype)
-            if not self.plan.bounded:
-                window, layers = resolve_window(None, None, draft_args)
-                draft_plan = dataclasses.replace(draft_plan, window=window, window_layers=layers)
-            self.draft_runner = build_worker(draft_path, draft_args, draft_plan,
-                                             parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT), self.device)
-        elif eagle is not None:  # an EAGLE head: its layer's KV over the same page ids
-            self.draft_runner = build_eagle_runner(eagle, self.runner, self.plan, opt.attention,
-                                                   self.device)
-        self.tokenizer = Tokenizer.from_model(path)
-        plan = self.plan
-        self.pool = PagePool(plan.num_pages)
-        self.prefix_cache = self._make_prefix_cache(config, plan)
-        self.kv_manager = KVCacheManager(self.pool, plan.page_size, self.prefix_cache,
-                                         with_draft=self.draft_runner is not None,
-                                         window=plan.window if plan.bounded else None,
-                                         states=self._make_state_manager(plan),
-                                         paged=plan.num_pages > 0)
-        self.speculator = make_speculator(config, plan, self.args, self.draft_runner)
-        if self.speculator is not None:
-            self.runner.feature_layers = self.speculator.feature_layers
-        self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
-                                   config.prefill_mode,
-                                   self.speculator.lookahead if self.speculator else None)
-        self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
-        self.grammars = GrammarCompiler(self.tokenizer, self.args.vocab_size)
-        self.requests: dict[str, Request] = {}
-        self.counters = _Counters()
+        self.group = None  # the other ranks of a parallel engine, started here
+        if world_size(config) > 1:  # (make_plan has refused a split the model cannot take)
+            self.group = ParallelGroup.start(config)
+        try:
+            self.runner = self._build_runner(path, opt)
+            # A draft model is a second worker over the same page ids (its own KV tensors). Under a
+            # window on every layer it attends within the same window (pages past it are given
+            # back; its drafts only need to be good guesses), else within its own, if any.
+            self.draft_runner = None
+            if draft_args is not None:
+                draft_plan = dataclasses.replace(self.plan, kv_dtype=self.plan.draft_kv_dtype)
+                if not self.plan.bounded:
+                    window, layers = resolve_window(None, None, draft_args)
+                    draft_plan = dataclasses.replace(draft_plan, window=window, window_layers=layers)
+                self.draft_runner = build_worker(draft_path, draft_args, draft_plan,
+                                                 parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT), self.device)
+            elif eagle is not None:  # an EAGLE head: its layer's KV over the same page ids
+                self.draft_runner = build_eagle_runner(eagle, self.runner, self.plan, opt.attention,
+                                                       self.device)
+            self.tokenizer = Tokenizer.from_model(path)
+            plan = self.plan
+            self.pool = PagePool(plan.num_pages)
+            self.prefix_cache = self._make_prefix_cache(config, plan)
+            self.kv_manager = KVCacheManager(self.pool, plan.page_size, self.prefix_cache,
+                                             with_draft=self.draft_runner is not None,
+                                             window=plan.window if plan.bounded else None,
+                                             states=self._make_state_manager(plan),
+                                             paged=plan.num_pages > 0)
+            self.speculator = make_speculator(config, plan, self.args, self.draft_runner)
+            if self.speculator is not None:
+                self.runner.feature_layers = self.speculator.feature_layers
+            self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
+                                       config.prefill_mode,
+                                       self.speculator.lookahead if self.speculator else None)
+            self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
+            self.grammars = GrammarCompiler(self.tokenizer, self.args.vocab_size)
+            self.requests: dict[str, Request] = {}
+            self.counters = _Counters()
+            if self.group is not None:  # every rank is built, and this one is ready for steps
+                self.group.barrier()
+        except BaseException:
+            self.close(kill=True)
+            raise
         if config.verbose:
             logger.info("model %s (%s, %d layers)\n%s", path, self.args.architecture,
                         self.args.num_layers, plan.describe())
@@ -199,11 +211,16 @@ class EngineCore:
 
     def release_idle_memory(self) -> int:
         """Give the memory of pages free for ``KV_IDLE_RELEASE_S`` back to the system; returns
-        how many pages it was."""
+        how many pages it was. Called every second, busy or idle: a parallel engine also keeps
+        its other ranks waiting for the next step (they time out otherwise) and raises
+        ``ParallelFailure`` here when a rank's process has exited."""
+        if self.group is not None:
+            self.group.check()
+            self.runner.keep_alive()
         pages = self.pool.idle_pages(KV_IDLE_RELEASE_S)
         if pages:
             for runner in filter(None, (self.runner, self.draft_runner)):
-                runner.kv.discard(pages, lambda p: self.pool.refcount(p) == 0)
+                runner.discard_kv(pages, lambda p: self.pool.refcount(p) == 0)
         return len(pages)
 
     # -- the step ------------------------------------------------------------------------------
@@ -234,7 +251,27 @@ class EngineCore:
         self._count(batch)
         return outputs
 
+    def close(self, kill: bool = False) -> None:
+        """Stop the other ranks of a parallel engine (``kill``: at once, after a failure);
+        nothing to do for one process."""
+        if self.group is not None:
+            self.group.close(kill)
+            self.group = None
+
     # -- internals -----------------------------------------------------------------------------
+
+    def _build_runner(self, path: str, opt):
+        """The target model's runner: a worker, or rank 0's part of a parallel one (every
+        rank builds its part on this plan)."""
+        if self.group is None:
+            return build_worker(path, self.args, self.plan, opt, self.device)
+        self.group.send(self.plan)
+        runner = ParallelRunner(build_rank(self.config, self.plan, self.group), self.group)
+        logger.info("parallel engine: %d tensor-parallel ranks on %d host(s); all-reduce %s",
+                    self.group.place.world, self.group.place.nnodes,
+                    type(self.group.all_reduce).__name__)
+        return runner
+
 
     def _make_prefix_cache(self, config: EngineConfig, plan) -> Optional[RadixCache]:
         """The radix prefix cache, unless disabled (mode "disable", or 0 recycled sequences)."""

@@ -84,6 +84,11 @@ class EngineBase:
         request is finished or aborted; prefix-cache snapshots do not count)."""
         return self._loop.call(self._core.state_slots_held_by_requests)
 
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """What stopped the engine for good (a parallel engine that lost a rank), or None."""
+        return self._loop.failure
+
     def is_idle(self) -> bool:
         """True when no request is queued, running or waiting for its abort to be processed."""
         return self._loop.is_idle()

@@ -14,10 +14,11 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, TypeVar, Union
+from typing import Callable, Optional, TypeVar, Union
 
 from lmserve.engine.core import EngineCore
 from lmserve.outputs import RequestOutput
+from lmserve.parallel.group import ParallelFailure
 from lmserve.protocol import InvalidRequestError
 from lmserve.sampling_params import SamplingParams
 
@@ -60,6 +61,8 @@ class EngineLoop:
         self._pending = 0  # commands posted and not yet handled
         self._request_ids: set[str] = set()  # submitted and not yet finished
         self._parked = True  # the thread waits for a command with no work at all
+        # What stopped the engine for good (a parallel engine that lost a rank), or None.
+        self.failure: Optional[BaseException] = None
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(make_core, built),
                                         name="lmserve-engine", daemon=True)
@@ -121,6 +124,20 @@ class EngineLoop:
             built.set_exception(exc)
             return
         built.set_result(self.core)
+        try:
+            self._serve()
+        except ParallelFailure as exc:  # a rank is lost: no step can run any more
+            logger.error("engine stopped: %s", exc)
+            self.failure = exc
+            with self._lock:
+                self._stopped = True
+        finally:
+            self._fail_all(self.failure or RuntimeError("the engine was shut down"))
+            with self._lock:
+                self._parked = True
+            self.core.close(kill=self.failure is not None)
+
+    def _serve(self) -> None:
         last_log = last_release = time.monotonic()
         logged = (0, 0)
         while not self._stopped:
@@ -135,6 +152,8 @@ class EngineLoop:
                 self._handle(self._commands.get_nowait())
             try:
                 outputs = self.core.step()
+            except ParallelFailure:
+                raise
             except Exception as exc:  # a bug in a step fails its requests, not the engine
                 logger.exception("engine step failed; failing the requests in flight")
                 self._fail_all(exc)
@@ -148,9 +167,6 @@ class EngineLoop:
             if self.core.config.verbose and now - last_log >= STATS_INTERVAL_S:
                 logged = self._log_stats(now - last_log, logged)
                 last_log = now
-        self._fail_all(RuntimeError("the engine was shut down"))
-        with self._lock:
-            self._parked = True
 
     def _wait_for_command(self) -> tuple:
         """The next command; while none comes, idle KV pages give their memory back, and once

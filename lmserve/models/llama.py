@@ -11,7 +11,7 @@ recurrent layers: which slots hold their state, ``ForwardContext.state_meta``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -51,6 +51,8 @@ class ForwardContext:
     # ``captured``, for drafters on the target's inner hidden states (EAGLE-3).
     capture: tuple[int, ...] = ()
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Tensor parallelism: sums o's and down's partial outputs over the ranks, in place.
+    all_reduce: Optional[Callable[[torch.Tensor], None]] = None
 
 
 @dataclass
@@ -128,8 +130,14 @@ class LlamaLayer:
         if compiled is not None:
             return compiled.after_attention(x, attn, self.o.weight, self.o.bias, self.norm2, self.eps,
                                             self.mlp_dtype, self.gate_up.weight, self.down.weight)
-        h = ops.add_rms_norm(x, self.o(attn), self.norm2, self.eps, self.mlp_dtype)
-        return self.down(ops.silu_mul(self.gate_up(h)))
+        o = self.o(attn)
+        if ctx.all_reduce is not None:
+            ctx.all_reduce(o)
+        h = ops.add_rms_norm(x, o, self.norm2, self.eps, self.mlp_dtype)
+        down = self.down(ops.silu_mul(self.gate_up(h)))
+        if ctx.all_reduce is not None:
+            ctx.all_reduce(down)
+        return down
 
     def buffers(self, sinks: bool = False) -> dict[str, tuple[int, torch.dtype]]:
         """The step buffers between the calls of ``packed_calls``: name -> (width, dtype)
@@ -142,13 +150,18 @@ class LlamaLayer:
                     {"q_sink": (heads, torch.float32)} if sinks else {})
 
     def packed_calls(self, backend, ops: FusedOps, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     first: bool, windowed: bool = False, sinks: bool = False) -> list[list[Arg]]:
+                     first: bool, windowed: bool = False, sinks: bool = False,
+                     all_reduce=None) -> list[list[Arg]]:
         """``__call__`` as kernel calls for a ``CallList``: the same kernels on the same inputs in
         the same order, on the step buffers of ``buffers`` and the residual ``x``, in place; the
-        MLP output is left in ``down``, which the next layer adds (none when ``first``)."""
+        MLP output is left in ``down``, which the next layer adds (none when ``first``).
+        ``all_reduce``: tensor parallelism's (``ShmAllReduce``), after o and after down."""
         x, t, dt, mdt = Slot("x"), Slot("tokens"), self.dtype, self.mlp_dtype
         buf = {name: Slot(name) for name in self.buffers(sinks)}
         q_sink = buf["q_sink"] if windowed and sinks else 0
+        d = self.o.n
+        summed = ([[all_reduce.packed_call(buf["o"], dt, t, d)],
+                   [all_reduce.packed_call(buf["down"], mdt, t, d)]] if all_reduce else [[], []])
         return [
             ops.packed_add_rms_norm(x, 0 if first else buf["down"], mdt, self.norm1, self.eps,
                                     buf["norm1"], dt, t),
@@ -156,10 +169,12 @@ class LlamaLayer:
             backend.packed_call(buf["qkv"], dt, buf["q_rotated"], k_cache, v_cache, buf["attn"], t,
                                 windowed, q_sink),
             self.o.packed_call(buf["attn"], dt, buf["o"], t),
+            *summed[0],
             ops.packed_add_rms_norm(x, buf["o"], dt, self.norm2, self.eps, buf["norm2"], mdt, t),
             self.gate_up.packed_call(buf["norm2"], mdt, buf["gate_up"], t),
             ops.packed_silu_mul(buf["gate_up"], buf["act"], mdt, t, self.gate_up.n // 2),
             self.down.packed_call(buf["act"], mdt, buf["down"], t),
+            *summed[1],
         ]
 
 
@@ -167,10 +182,11 @@ class LlamaModel:
     """The whole decoder: embedding, layers, final norm and the language-model head."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, Weight], weight_format: str,
-                 act_dtype: str, mlp_act_dtype: Optional[str] = None):
+                 act_dtype: str, mlp_act_dtype: Optional[str] = None, head: bool = True):
         """``weight_format``: how matmul weights are held, see ``make_linear``; ``act_dtype``:
         activations entering the attention projections and the head (float32, bfloat16, int8);
-        ``mlp_act_dtype``: entering the MLP (None: act_dtype)."""
+        ``mlp_act_dtype``: entering the MLP (None: act_dtype); ``head``: build the
+        language-model head (not on a tensor-parallel rank that never samples)."""
         self.args = args
         self.dtype = ACT_TENSOR_DTYPES[act_dtype]
         embed = weights["model.embed_tokens.weight"]
@@ -186,22 +202,26 @@ class LlamaModel:
             for i in range(args.num_layers)
         ]
         self.norm = weights["model.norm.weight"].float()
-        head = weights.get("lm_head.weight")
-        if head is None or args.tie_word_embeddings:
-            head = embed
-        self.lm_head = make_linear([head], None, weight_format, act_dtype)
-        if head is embed and getattr(self.lm_head, "weight", None) is not None \
-                and self.lm_head.weight.dtype == self.dtype:
-            self.embed = self.lm_head.weight  # tied and dense in the same dtype: one copy
+        self.lm_head = None
+        if head:
+            head = weights.get("lm_head.weight")
+            if head is None or args.tie_word_embeddings:
+                head = embed
+            self.lm_head = make_linear([head], None, weight_format, act_dtype)
+            if head is embed and getattr(self.lm_head, "weight", None) is not None \
+                    and self.lm_head.weight.dtype == self.dtype:
+                self.embed = self.lm_head.weight  # tied and dense in the same dtype: one copy
 
     def layer_calls(self, backend: AttentionBackend, ops: Union[TorchOps, FusedOps],
                     kv: KVCache, windowed: tuple[bool, ...] = (),
-                    sinks: bool = False) -> Optional[LayerCalls]:
+                    sinks: bool = False, all_reduce=None) -> Optional[LayerCalls]:
         """The layers as one C++ call a step, or None where a part of a layer is not a C++ kernel
-        (the torch paths, dense weights, biases) or the call-list runner did not build.
-        ``windowed``: per layer, it attends within the step's sliding window (which has
-        ``sinks``)."""
+        (the torch paths, dense weights, biases, an all-reduce over gloo) or the call-list
+        runner did not build. ``windowed``: per layer, it attends within the step's sliding
+        window (which has ``sinks``); ``all_reduce``: tensor parallelism's, or None."""
         if any(isinstance(layer, MixerLayer) for layer in self.layers):
+            return None
+        if all_reduce is not None and all_reduce.packed_call is None:
             return None
         linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if not (isinstance(ops, FusedOps) and isinstance(backend, CpuPagedBackend) and call_lists_available()
@@ -209,7 +229,8 @@ class LlamaModel:
             return None
         calls = [call for i, layer in enumerate(self.layers)
                  for call in layer.packed_calls(backend, ops, kv.k[i], kv.v[i], first=i == 0,
-                                                windowed=bool(windowed) and windowed[i], sinks=sinks)]
+                                                windowed=bool(windowed) and windowed[i], sinks=sinks,
+                                                all_reduce=all_reduce)]
         return LayerCalls(CallList(calls), self.layers[0].buffers(sinks))
 
     def rotary(self, max_positions: int, device: torch.device) -> RotaryEmbedding:

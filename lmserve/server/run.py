@@ -40,6 +40,7 @@ class _DrainingServer(uvicorn.Server):
         self._engine = engine
         self._gate = gate
         self._grace = grace
+        self.failed = False  # the engine failed for good: exit with status 1
 
     def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
         name = signal.Signals(sig).name
@@ -56,7 +57,10 @@ class _DrainingServer(uvicorn.Server):
             self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
-        return await super().on_tick(counter) or self._gate.drained()
+        if self._engine.failure is not None and not self.failed:
+            logger.error("the engine has failed (%s); the server stops", self._engine.failure)
+            self.failed = True
+        return await super().on_tick(counter) or self._gate.drained() or self.failed
 
     async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
         # Stopping the engine first fails the requests still running past the grace period, so
@@ -70,11 +74,15 @@ def serve(engine: AsyncEngine, settings: ServerSettings, log_level: str = "info"
     """Serve ``engine`` at ``settings.host:settings.port`` until a signal has drained the server.
 
     Returns normally after a drain, with the engine shut down. Exits with status 1 (uvicorn's
-    ``SystemExit``) when the address cannot be bound.
+    ``SystemExit``) when the address cannot be bound, and when the engine fails for good (a
+    parallel engine that lost a rank), within a second of the failure.
     """
     app = create_app(engine, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                             timeout_graceful_shutdown=_CLOSE_TIMEOUT_S,
                             timeout_keep_alive=settings.keep_alive_timeout,
                             http=HeaderTimeoutProtocol.with_header_timeout(settings.header_timeout))
-    _DrainingServer(config, engine, app.state.lmserve.gate, settings.shutdown_grace).run()
+    server = _DrainingServer(config, engine, app.state.lmserve.gate, settings.shutdown_grace)
+    server.run()
+    if server.failed:
+        raise SystemExit(1)

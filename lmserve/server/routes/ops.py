@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from lmserve.server.errors import APIError
 from lmserve.server.state import server_state
 
 router = APIRouter()
@@ -14,8 +15,13 @@ router = APIRouter()
 @router.head("/health", operation_id="health_head")
 @router.get("/health", operation_id="health")
 async def health(request: Request) -> Response:
-    """200 while serving; 503 once shutdown has begun, so that traffic moves elsewhere."""
-    server_state(request).gate.check_open()
+    """200 while serving; 503 once shutdown has begun or the engine has failed for good (a
+    parallel engine that lost a rank), so that traffic moves elsewhere."""
+    state = server_state(request)
+    state.gate.check_open()
+    failure = state.model.engine.failure
+    if failure is not None:
+        raise APIError(503, f"the engine has failed: {failure}", code="engine_failed")
     return Response(status_code=200)
 
 

@@ -1,0 +1,124 @@
+"""The all-reduce of tensor parallelism: after o and down, every rank's partial output is
+summed, in place, and every rank gets the same bits.
+
+- ``ShmAllReduce``: ranks on one host meet in a shared-memory segment
+  (kernels/shm_all_reduce.cpp); it is also a call of the C++ layer call list, so the fast decode
+  path keeps running a whole step in one call.
+- ``GlooAllReduce``: torch.distributed over gloo, for ranks on several hosts (or where the C++
+  kernels do not build); the layers then run on the torch path.
+
+Both sum bf16 parts in float32 and round once, so two ranks give the same bits either way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import struct
+import time
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from lmserve.kernels.build import load_kernel_library
+from lmserve.layers.call_list import Arg, address
+
+SLOT_BYTES = 4 << 20  # per rank and buffer; larger tensors are reduced in several rounds
+_LINE = 64  # the segment's header: an error word, then a cache line per rank (its round counter
+# and its time in all-reduces)
+
+
+def segment_bytes(world: int) -> int:
+    return _LINE * (1 + world) + 2 * world * SLOT_BYTES
+
+
+def create_segment(path: str, world: int) -> None:
+    """Create the zeroed segment file (on /dev/shm) the ranks of one host map."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, segment_bytes(world))
+    finally:
+        os.close(fd)
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64  # noqa: E741
+    return load_kernel_library("shm_all_reduce",
+                               {"lm_shm_all_reduce": [P, I, I, L, P, I, L, L, L]})
+
+
+def shm_available() -> bool:
+    return _library() is not None
+
+
+class ShmAllReduce:
+    """Sum over the ranks of one host through the segment file ``path`` (``create_segment``)."""
+
+    def __init__(self, path: str, rank: int, world: int, timeout_s: float) -> None:
+        self.lib = _library()
+        if self.lib is None:
+            raise RuntimeError("the C++ shared-memory all-reduce is not available on this machine")
+        self.rank, self.world, self.timeout_ms = rank, world, int(timeout_s * 1000)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, segment_bytes(world))
+        finally:
+            os.close(fd)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+
+    def __call__(self, t: torch.Tensor) -> None:
+        """Sum the contiguous float32 or bf16 tensor ``t`` (rows, width) over the ranks, in place."""
+        rows, width = t.shape
+        self.lib.lm_shm_all_reduce(*self._args(t.data_ptr(), t.dtype, rows, width))
+
+    def packed_call(self, data: Arg, dtype: torch.dtype, rows: Arg, width: int) -> list[Arg]:
+        """``__call__`` as a call of a ``CallList``."""
+        return [address(self.lib.lm_shm_all_reduce_packed), *self._args(data, dtype, rows, width)]
+
+    def _args(self, data: Arg, dtype: torch.dtype, rows: Arg, width: int) -> list[Arg]:
+        return [self.address, self.rank, self.world, SLOT_BYTES, data, int(dtype == torch.bfloat16),
+                rows, width, self.timeout_ms]
+
+    def failed_rank(self) -> Optional[int]:
+        """The rank a collective gave up waiting for (or that the watchdog saw die), or None."""
+        word = struct.unpack_from("<i", self.map, 0)[0]
+        return word - 1 if word else None
+
+    def seconds(self) -> float:
+        """Time this rank has spent in all-reduces, waiting for the others included."""
+        return struct.unpack_from("<q", self.map, _LINE * (1 + self.rank) + 8)[0] / 1e9
+
+    def fail(self, rank: int) -> None:
+        """Make every rank's waits end: ``rank`` is gone (called by the watchdog)."""
+        if not struct.unpack_from("<i", self.map, 0)[0]:
+            struct.pack_into("<i", self.map, 0, rank + 1)
+
+
+class GlooAllReduce:
+    """Sum over the ranks of ``group`` with torch.distributed (any hosts)."""
+
+    packed_call = None  # no C++ form: the layers run on the torch path
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self._seconds = 0.0
+
+    def __call__(self, t: torch.Tensor) -> None:
+        started = time.perf_counter()
+        total = t.float()
+        dist.all_reduce(total, group=self.group)
+        t.copy_(total)
+        self._seconds += time.perf_counter() - started
+
+    def seconds(self) -> float:
+        """Time this rank has spent in all-reduces, waiting for the others included."""
+        return self._seconds
+
+    @staticmethod
+    def failed_rank() -> Optional[int]:
+        return None  # gloo raises instead
+
+
+AllReduce = Union[ShmAllReduce, GlooAllReduce]

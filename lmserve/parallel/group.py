@@ -1,0 +1,267 @@
+"""The ranks of a parallel engine as one torch.distributed (gloo) group: starting them, checking
+that they agree, rank 0's commands to the others, and failing fast when a rank is lost.
+
+Two timeouts:
+
+- start-up (``LMSERVE_START_TIMEOUT_S``, 300 s: loading takes a while), on the default group;
+- every collective after that (``LMSERVE_COLLECTIVE_TIMEOUT_S``, 30 s): rank 0 broadcasts each
+  step (plain data, ``lmserve.step``) to the others on the ``commands`` group, and ranks meet in
+  the all-reduce within every layer. gloo's broadcast waits for every receiver, so a rank that
+  has not come for that long is dead or hung, whichever side waits. An idle rank 0 sends a
+  keep-alive each second (``ParallelRunner.keep_alive``) so that waiting is never mistaken for
+  a failure; a dead rank 0 closes its connections, which ends the others' wait at once.
+
+On one host the all-reduce goes through shared memory instead (``ShmAllReduce``), under the
+same timeout, and a watchdog thread ends its waits as soon as a started rank's process exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+import lmserve
+from lmserve.config import EngineConfig, parse_opt
+from lmserve.models.loader import resolve_model_path
+from lmserve.parallel.all_reduce import AllReduce, GlooAllReduce, ShmAllReduce, create_segment, shm_available
+from lmserve.parallel.placement import Placement, pin, placement
+
+logger = logging.getLogger("lmserve")
+
+
+
+def start_timeout_s() -> float:
+    return float(os.environ.get("LMSERVE_START_TIMEOUT_S", 300))
+
+
+def collective_timeout_s() -> float:
+    return float(os.environ.get("LMSERVE_COLLECTIVE_TIMEOUT_S", 30))
+
+
+class ParallelFailure(RuntimeError):
+    """A rank died or stopped answering: the engine cannot go on."""
+
+
+def world_size(config: EngineConfig) -> int:
+    return (config.tensor_parallel_shards or 1) * (config.pipeline_parallel_stages or 1)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank started by another process is told, as JSON on its command line."""
+
+    config: str  # EngineConfig.asjson()
+    placement: dict[str, Any]  # Placement's fields, with its own rank and nothing to start
+    cores: list[int]  # the host's cores
+    local_index: int  # its place among its host's ranks
+    local_ranks: int
+
+
+class ParallelGroup:
+    """This process's view of the ranks: ``start`` on the process that starts its host's
+    ranks, then ``join`` on every rank."""
+
+    def __init__(self, place: Placement, tensor: int, all_reduce: AllReduce, commands,
+                 timeout: float) -> None:
+        self.place = place
+        self.timeout = timeout  # of every collective, in seconds
+        self.rank = place.rank
+        self.tensor = tensor  # ranks each layer is split across
+        self.all_reduce = all_reduce
+        self.commands = commands
+        self.children: dict[int, subprocess.Popen] = {}
+        self.lost: Optional[str] = None  # what the watchdog saw
+        self.last_send = time.monotonic()
+        self.send_seconds = 0.0  # rank 0's time handing out commands (benchmarks/parallel.py)
+        self._closing = threading.Event()
+        self._unpinned = None  # the calling thread's cores and threads before ``start``
+
+    @staticmethod
+    def start(config: EngineConfig) -> ParallelGroup:
+        """Start this host's other ranks, then join the group (see ``placement``)."""
+        world = world_size(config)
+        place = placement(world)
+        cores = sorted(os.sched_getaffinity(0))
+        local = len(place.spawns) + 1
+        children = {}
+        for i, rank in enumerate(place.spawns, start=1):
+            spec = RankSpec(config.asjson(), asdict(place) | {"rank": rank, "spawns": ()}, cores,
+                            i, local)
+            children[rank] = subprocess.Popen(
+                [sys.executable, "-m", "lmserve.parallel.rank_main", json.dumps(asdict(spec))])
+        unpinned = (os.sched_getaffinity(0), torch.get_num_threads())
+        pin(cores, 0, local)
+        try:
+            group = ParallelGroup.join(place, config)
+        except BaseException:
+            for child in children.values():
+                child.kill()
+            _unpin(*unpinned)
+            raise
+        group.children = children
+        group._unpinned = unpinned
+        threading.Thread(target=group._watch, name="lmserve-rank-watchdog", daemon=True).start()
+        return group
+
+    @staticmethod
+    def join(place: Placement, config: EngineConfig) -> ParallelGroup:
+        """Meet the other ranks, agree on what is served, and set up the all-reduce."""
+        dist.init_process_group("gloo", init_method=place.init_method, rank=place.rank,
+                                world_size=place.world,
+                                timeout=datetime.timedelta(seconds=start_timeout_s()))
+        _check_agreement(config, place.rank)
+        timeout = collective_timeout_s()
+        collective = datetime.timedelta(seconds=timeout)
+        commands = dist.new_group(backend="gloo", timeout=collective)
+        tensor = config.tensor_parallel_shards or 1
+        if place.one_host and shm_available():
+            path = f"/dev/shm/lmserve-all-reduce-{place.master_port}"
+            if place.rank == 0:
+                if os.path.exists(path):  # left by an engine that was killed on this port
+                    os.unlink(path)
+                create_segment(path, place.world)
+            dist.barrier()
+            all_reduce: AllReduce = ShmAllReduce(path, place.rank, place.world, timeout)
+            dist.barrier()
+            if place.rank == 0:
+                os.unlink(path)  # mapped by every rank: nothing is left behind, however they end
+        else:
+            all_reduce = GlooAllReduce(dist.new_group(backend="gloo", timeout=collective))
+        return ParallelGroup(place, tensor, all_reduce, commands, timeout)
+
+    # -- commands from rank 0 -------------------------------------------------------------------
+
+    def send(self, command: Any) -> None:
+        """Rank 0: hand ``command`` to every other rank (in the order they ``receive``). One
+        send per rank rather than a broadcast, so that a timeout names the rank."""
+        started = time.perf_counter()
+        data = torch.frombuffer(bytearray(pickle.dumps(command)), dtype=torch.uint8)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        for rank in range(1, self.place.world):
+            try:
+                dist.send(size, dst=rank, group=self.commands)
+                dist.send(data, dst=rank, group=self.commands)
+            except RuntimeError as err:
+                raise self.failure(err, rank) from err
+        self.last_send = time.monotonic()
+        self.send_seconds += time.perf_counter() - started
+
+    def receive(self) -> Any:
+        """The other ranks: rank 0's next command."""
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src=0, group=self.commands)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, src=0, group=self.commands)
+        return pickle.loads(data.numpy().tobytes())
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    # -- failures -------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise ``ParallelFailure`` if the last collective gave up on a rank."""
+        rank = self.all_reduce.failed_rank()
+        if rank is not None or self.lost:
+            raise self.failure(None)
+
+    def failure(self, err: Optional[BaseException], rank: Optional[int] = None) -> ParallelFailure:
+        """The error to stop the engine with, naming the rank that was lost where it is known
+        (``rank``: the one a send to failed)."""
+        if self.lost:
+            return ParallelFailure(self.lost)
+        waited = self.all_reduce.failed_rank()
+        if waited is not None:
+            return ParallelFailure(f"rank {waited} did not reach an all-reduce within "
+                                   f"{self.timeout:g} s (LMSERVE_COLLECTIVE_TIMEOUT_S): "
+                                   f"it is hung or gone")
+        who = "a rank" if rank is None else f"rank {rank}"
+        return ParallelFailure(f"{who} did not answer within {self.timeout:g} s "
+                               f"(LMSERVE_COLLECTIVE_TIMEOUT_S): it is hung or gone ({err})")
+
+    def _watch(self) -> None:
+        """Notice a started rank's exit at once: log it and end every rank's waits."""
+        while not self._closing.wait(0.1):
+            for rank, child in self.children.items():
+                code = child.poll()
+                if code is not None:
+                    self.lost = f"rank {rank} (pid {child.pid}) exited with code {code}"
+                    logger.error("parallel engine: %s", self.lost)
+                    if isinstance(self.all_reduce, ShmAllReduce):
+                        self.all_reduce.fail(rank)
+                    return
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the other ranks (rank 0; ``kill``: at once, as when the start failed halfway)
+        and leave the group."""
+        self._closing.set()
+        if kill:
+            for child in self.children.values():
+                child.kill()
+        elif self.rank == 0 and not self.lost:
+            try:
+                self.send(("stop",))
+            except ParallelFailure:
+                pass
+        for child in self.children.values():
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self._unpinned is not None:
+            _unpin(*self._unpinned)
+            self._unpinned = None
+
+
+def _unpin(cores: set[int], threads: int) -> None:
+    """Give the thread that started the ranks its cores back (a process may go on without
+    them, as tests and benchmarks do)."""
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+
+
+def _check_agreement(config: EngineConfig, rank: int) -> None:
+    """Refuse to serve when the ranks load different things (two hosts, two model files)."""
+    mine = {"lmserve": lmserve.__version__, "model": model_fingerprint(config.model),
+            "opt": parse_opt(config.opt), "tensor_parallel_shards": config.tensor_parallel_shards,
+            "pipeline_parallel_stages": config.pipeline_parallel_stages}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differences = [f"rank {r} has {key}={theirs[key]!r} where rank 0 has {everyone[0][key]!r}"
+                   for r, theirs in enumerate(everyone) for key in theirs
+                   if theirs[key] != everyone[0][key]]
+    if differences:
+        raise ValueError("the ranks do not agree on what to serve: " + "; ".join(differences))
+
+
+def model_fingerprint(model: Optional[str]) -> str:
+    """A digest of the model's files: their sizes and 16 samples of 64 KiB spread over each
+    (hashing whole files of tens of GB would hold up every start)."""
+    path = resolve_model_path(model)
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, f) for f in os.listdir(path) if f.endswith((".json", ".safetensors", ".gguf")))
+    digest = hashlib.sha256()
+    for name in files:
+        size = os.path.getsize(name)
+        digest.update(f"{os.path.basename(name)}:{size};".encode())
+        with open(name, "rb") as f:
+            for i in range(16):
+                f.seek(size * i // 16)
+                digest.update(f.read(1 << 16))
+    return digest.hexdigest()[:16]

@@ -1,0 +1,66 @@
+"""What a rank other than 0 does: build its part of the model, then run what rank 0 sends, step
+by step, until told to stop (``serve_rank``). Rank 0 builds its part with ``build_rank`` too."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lmserve.config import EngineConfig, parse_opt
+from lmserve.models.loader import read_model_args, resolve_model_path
+from lmserve.parallel.group import ParallelGroup
+from lmserve.parallel.shard import TensorShard
+from lmserve.runner import ModelRunner
+from lmserve.worker import build_worker
+
+logger = logging.getLogger("lmserve")
+
+
+def build_rank(config: EngineConfig, plan, group: ParallelGroup) -> ModelRunner:
+    """This rank's part of the model over the plan's KV pages (rank 0 calls it too)."""
+    path = resolve_model_path(config.model)
+    shard = TensorShard(group.rank % group.tensor, group.tensor)
+    return build_worker(path, read_model_args(path), plan, parse_opt(config.opt),
+                        torch.device("cpu"), shard, group.all_reduce)
+
+
+def serve_rank(config: EngineConfig, group: ParallelGroup) -> int:
+    """Build this rank's worker on rank 0's plan and run rank 0's commands; the exit status."""
+    plan = group.receive()
+    runner = build_rank(config, plan, group)
+    group.barrier()  # every rank is built and rank 0 is ready: steps may come
+    while True:
+        try:
+            command = group.receive()
+        except RuntimeError as err:  # rank 0 is gone (its connection closed)
+            logger.error("rank %d: lost rank 0 (%s); exiting", group.rank, err)
+            return 1
+        kind = command[0]
+        if kind == "step":
+            try:
+                runner.execute(command[1], logits=False)
+            except RuntimeError as err:  # gloo's all-reduce gave up on a rank
+                logger.error("rank %d: %s; exiting", group.rank, group.failure(err))
+                return 1
+        elif kind == "move_kv":
+            runner.move_kv(command[1], command[2])
+        elif kind == "discard_kv":
+            free = command[2]
+            runner.kv.discard(command[1], lambda p: free[p])
+        elif kind == "stop":
+            group.close()
+            return 0
+        if group.all_reduce.failed_rank() is not None:
+            logger.error("rank %d: %s; exiting", group.rank, group.failure(None))
+            return 1
+
+
+def serve_host_ranks(config: EngineConfig) -> int:
+    """A launch whose first rank is not 0 (another host's, or torchrun's): start this host's
+    other ranks and serve rank 0's commands until it stops; the exit status."""
+    group = ParallelGroup.start(config)
+    try:
+        return serve_rank(config, group)
+    finally:
+        group.close(kill=True)
