@@ -1,7 +1,8 @@
 """Tensor parallelism on one host: what communication costs a step, against one process.
 
-For each layout (one process, then ``--tp`` ranks), in fresh processes, rounds interleaved, at
-the default level on a GGUF Q4_1 model:
+For each layout (one process; ``--tp`` ranks meeting in shared memory; the same over gloo, as
+ranks on several hosts do: ``LMSERVE_TRANSPORT=gloo``), in fresh processes, rounds
+interleaved, at the default level on a GGUF Q4_1 model:
 
 - one-stream decode: a 32-token prompt, 64 greedy tokens, tokens/s after the first;
 - c=16: sixteen such requests together, output tokens/s over the whole run.
@@ -93,27 +94,32 @@ def main() -> None:
     if args.one is not None:
         print(json.dumps(measure(model, args.one)))
         return
-    results: dict[int, list[dict]] = {1: [], args.tp: []}
+    layouts = {"one process": (1, "shm"), f"TP={args.tp} shm": (args.tp, "shm"),
+               f"TP={args.tp} gloo": (args.tp, "gloo")}
+    results: dict[str, list[dict]] = {name: [] for name in layouts}
     for _ in range(args.rounds):
-        for tp in results:
+        for name, (tp, transport) in layouts.items():
             out = subprocess.run([sys.executable, __file__, "--one", str(tp), "--model", model],
-                                 capture_output=True, text=True, check=True)
-            results[tp].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    med = {tp: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for tp, rs in results.items()}
+                                 capture_output=True, text=True, check=True,
+                                 env={**os.environ, "LMSERVE_TRANSPORT": transport})
+            results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in results.items()}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "?")
     print(f"{os.path.basename(model)}, default level, {os.cpu_count()} cores ({cpu}); "
           f"medians of {args.rounds} interleaved rounds")
-    print(f"{'layout':<10} {'decode tok/s':>12} {'c=16 tok/s':>11} {'step ms':>8} "
+    print(f"{'layout':<12} {'decode tok/s':>12} {'c=16 tok/s':>11} {'step ms':>8} "
           f"{'all-reduce ms':>13} {'send ms':>8} {'comm share':>10}")
-    for tp, m in med.items():
+    for name, m in med.items():
         comm = m["all_reduce_ms"] + m["send_ms"]
-        print(f"{'TP=' + str(tp):<10} {m['decode_tok_s']:>12.1f} {m['c16_tok_s']:>11.1f} "
+        print(f"{name:<12} {m['decode_tok_s']:>12.1f} {m['c16_tok_s']:>11.1f} "
               f"{m['step_ms']:>8.2f} {m['all_reduce_ms']:>13.2f} {m['send_ms']:>8.2f} "
               f"{100 * comm / m['step_ms']:>9.1f}%")
-    one, par = med[1], med[args.tp]
-    print(f"TP={args.tp} / one process: decode {par['decode_tok_s'] / one['decode_tok_s']:.2f}x, "
-          f"c=16 {par['c16_tok_s'] / one['c16_tok_s']:.2f}x")
+    one = med["one process"]
+    for name in list(med)[1:]:
+        par = med[name]
+        print(f"{name} / one process: decode {par['decode_tok_s'] / one['decode_tok_s']:.2f}x, "
+              f"c=16 {par['c16_tok_s'] / one['c16_tok_s']:.2f}x")
 
 
 if __name__ == "__main__":

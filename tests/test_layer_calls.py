@@ -45,16 +45,21 @@ def hidden_both_ways(engine: Engine, query_lens: list[int], done: list[int]) -> 
             core.pool.release(t)
 
 
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    """The two sources, written once for every case (a file's metadata is read once, too)."""
+    root = tmp_path_factory.mktemp("layer_calls")
+    return {"gguf Q4_1": make_gguf_llama(str(root / "m.gguf"), "Q4_1", num_layers=3, hidden_size=64,
+                                         intermediate_size=128),
+            "safetensors": make_hf_llama(str(root / "m"), num_layers=3)}
+
+
 @needs_kernels
 @pytest.mark.parametrize("opt", ["O1", "O2", "O3"])
 @pytest.mark.parametrize("source", ["gguf Q4_1", "safetensors"])
 @pytest.mark.parametrize("window", [{}, {"sliding_window_size": 16, "attention_sink_size": 3}])
-def test_layer_calls_match_the_python_loop_bit_for_bit(tmp_path, source, opt, window):
-    if source.startswith("gguf"):
-        path = make_gguf_llama(str(tmp_path / "m.gguf"), "Q4_1", num_layers=3, hidden_size=64,
-                               intermediate_size=128)
-    else:
-        path = make_hf_llama(str(tmp_path / "m"), num_layers=3)
+def test_layer_calls_match_the_python_loop_bit_for_bit(models, source, opt, window):
+    path = models[source]
     engine = Engine(model=path, opt=opt, prefix_cache_mode="disable", max_num_sequence=4,
                     max_total_sequence_length=512, verbose=False, **window)
     try:

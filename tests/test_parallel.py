@@ -4,6 +4,7 @@ loopback, hosts that disagree, and ranks that die or hang."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -62,50 +63,82 @@ def both(config: EngineConfig, fn):
     expected = fn(one)
     parallel = EngineCore(config)
     try:
-        return expected, fn(parallel), parallel
+        return expected, fn(parallel)
     finally:
         parallel.close()
 
 
-@pytest.mark.parametrize("model,opt,tolerance", [("tiny_hf", "O0", 1e-4), ("tiny_q41", None, 0.05)])
-def test_tensor_parallel_greedy_matches_one_process(model, opt, tolerance, request):
-    """Greedy tokens equal to one process, in batch company; logprobs within ``tolerance`` (O0:
-    float32 partial sums added in another order; the default level: bf16 partial sums, each
-    rounded before the all-reduce adds them)."""
-    config = EngineConfig(model=request.getfixturevalue(model), opt=opt, tensor_parallel_shards=2,
-                          verbose=False)
-    (tokens, logprobs), (tp_tokens, tp_logprobs), _ = both(config, lambda c: run(c, PROMPTS))
+def assert_same_greedy(expected, got, tolerance: float) -> None:
+    (tokens, logprobs), (tp_tokens, tp_logprobs) = expected, got
     assert tp_tokens == tokens and all(len(t) == 12 for t in tokens)
     for a, b in zip(logprobs, tp_logprobs):
         assert a == pytest.approx(b, abs=tolerance)
 
 
-def test_tensor_parallel_preemption_prefix_cache_and_aborts(tiny_q41):
+def test_tensor_parallel_greedy_matches_one_process_at_O0(tiny_hf):
+    """float32 partial sums added in another order: logprobs within 1e-4."""
+    config = EngineConfig(model=tiny_hf, opt="O0", tensor_parallel_shards=2, verbose=False)
+    assert_same_greedy(*both(config, lambda c: run(c, PROMPTS)), tolerance=1e-4)
+
+
+@pytest.fixture(scope="module")
+def q41_engines(tiny_q41):
+    """One process and two ranks on the Q4_1 model at the default level, with a small KV cache
+    (preemption) and a short collective timeout (the hung rank, last)."""
+    config = EngineConfig(model=tiny_q41, max_num_sequence=4, max_total_sequence_length=96,
+                          prefill_chunk_size=32, verbose=False)
+    os.environ["LMSERVE_COLLECTIVE_TIMEOUT_S"] = "5"
+    try:
+        parallel = EngineCore(dataclasses.replace(config, tensor_parallel_shards=2))
+    finally:
+        del os.environ["LMSERVE_COLLECTIVE_TIMEOUT_S"]
+    yield EngineCore(config), parallel
+    parallel.close(kill=True)
+
+
+def test_tensor_parallel_greedy_matches_one_process_at_the_default_level(q41_engines):
+    """bf16 partial sums, each rounded before the all-reduce adds them: logprobs within 0.05."""
+    one, parallel = q41_engines
+    assert_same_greedy(run(one, PROMPTS), run(parallel, PROMPTS), tolerance=0.05)
+
+
+def test_tensor_parallel_preemption_prefix_cache_and_aborts(q41_engines):
     """Preempted and prefix-cached sequences come out as in one process; aborts mid-run leave no
     page held, and the ranks keep serving in step."""
-    config = EngineConfig(model=tiny_q41, tensor_parallel_shards=2, max_num_sequence=4,
-                          max_total_sequence_length=96, prefill_chunk_size=32, verbose=False)
     shared = list(range(100, 134))  # two pages of prefix, cached by the first round
     prompts = [shared + [i] for i in range(4)]
 
     def scenario(core):
+        preempted = core.scheduler.num_preemptions
         first = run(core, prompts, max_tokens=20)[0]
         hits = core.scheduler.prefix_hit_tokens
         second = run(core, prompts[:2], max_tokens=20)[0]
         assert core.scheduler.prefix_hit_tokens > hits
         run(core, PROMPTS, max_tokens=20, abort_after=3)
         assert core.pages_held_by_requests() == 0
-        return first, second, run(core, PROMPTS[:1])[0], core.scheduler.num_preemptions
+        return first, second, run(core, PROMPTS[:1])[0], core.scheduler.num_preemptions > preempted
 
-    expected, got, _ = both(config, scenario)
-    assert got == expected and got[3] > 0
+    expected, got = (scenario(core) for core in q41_engines)
+    assert got == expected and got[3]
+
+
+def test_a_hung_rank_fails_the_engine_within_the_collective_timeout(q41_engines):
+    parallel = q41_engines[1]
+    (rank,) = rank_pids(os.getpid())
+    os.kill(rank, signal.SIGSTOP)
+    stopped = time.monotonic()
+    with pytest.raises(ParallelFailure, match=r"rank 1 did not (reach an all-reduce|answer) within 5 s"):
+        run(parallel, PROMPTS[:1])
+    assert time.monotonic() - stopped < 5 + 3
+    parallel.close(kill=True)
+    assert gone(rank), "the hung rank outlived the engine"
 
 
 def test_builtin_model_over_three_ranks_matches_one_process():
     """The built-in model (9 heads, 3 KV heads) split three ways, at the default level."""
     config = EngineConfig(tensor_parallel_shards=3, verbose=False)
     prompts = [[504, 3458, 282, 4649, 314], [1, 563, 7407, 1081, 28, 94]]
-    (tokens, _), (tp_tokens, _), _ = both(config, lambda c: run(c, prompts, max_tokens=24))
+    (tokens, _), (tp_tokens, _) = both(config, lambda c: run(c, prompts, max_tokens=24))
     assert tp_tokens == tokens
 
 
@@ -172,22 +205,6 @@ def test_openai_client_against_a_tensor_parallel_server_then_a_rank_dies(tiny_q4
         assert "rank 1 (pid %d) exited with code -9" % rank in server.log()
     finally:
         server.stop()
-
-
-def test_a_hung_rank_fails_the_engine_within_the_collective_timeout(tiny_q41, monkeypatch):
-    monkeypatch.setenv("LMSERVE_COLLECTIVE_TIMEOUT_S", "2")
-    core = EngineCore(EngineConfig(model=tiny_q41, tensor_parallel_shards=2, verbose=False))
-    try:
-        (rank,) = rank_pids(os.getpid())
-        os.kill(rank, signal.SIGSTOP)
-        stopped = time.monotonic()
-        with pytest.raises(ParallelFailure,
-                           match=r"rank 1 did not (reach an all-reduce|answer) within 2 s"):
-            run(core, PROMPTS[:1])
-        assert time.monotonic() - stopped < 2 + 3
-    finally:
-        core.close(kill=True)
-    assert gone(rank), "the hung rank outlived the engine"
 
 
 def _node(model: str, node: int, port: int, log, *extra: str) -> subprocess.Popen:

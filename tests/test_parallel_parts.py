@@ -1,9 +1,12 @@
-"""The parts of tensor parallelism on their own: weight shards (dense and GGUF blocks) and the
-shared-memory all-reduce."""
+"""The parts of tensor parallelism on their own: weight shards (dense and GGUF blocks), the
+shared-memory all-reduce and the shared-memory command channel."""
 
 from __future__ import annotations
 
 import dataclasses
+import queue
+import struct
+import subprocess
 import threading
 
 import pytest
@@ -11,7 +14,8 @@ import torch
 
 from lmserve.layers.blocks import BlockWeight
 from lmserve.models.loader import load_weights, read_model_args
-from lmserve.parallel.all_reduce import SLOT_BYTES, ShmAllReduce, create_segment, shm_available
+from lmserve.parallel.all_reduce import SLOT_BYTES, ShmAllReduce, create_segment, segment_bytes, shm_available
+from lmserve.parallel.commands import COMMAND_BYTES, RankLost, ShmCommands, command_segment_bytes
 from lmserve.parallel.shard import TensorShard, check_shardable, shard_args, shard_weights
 from tiny_models import make_gguf_llama
 
@@ -76,7 +80,7 @@ needs_shm = pytest.mark.skipif(not shm_available(), reason="the C++ kernels need
 
 def _ranks(tmp_path, world: int, timeout_s: float = 10.0) -> list[ShmAllReduce]:
     path = str(tmp_path / "segment")
-    create_segment(path, world)
+    create_segment(path, segment_bytes(world))
     return [ShmAllReduce(path, r, world, timeout_s) for r in range(world)]
 
 
@@ -112,3 +116,55 @@ def test_shm_all_reduce_names_the_rank_that_did_not_come(tmp_path):
     ranks[0](t)  # rank 1 never arrives
     assert ranks[0].failed_rank() == 1 and ranks[1].failed_rank() == 1
     ranks[1](t)  # every later call returns at once
+
+
+class _Mailbox:
+    """Stands in for gloo under ``ShmCommands`` (the commands too large for the segment)."""
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def send(self, data: bytes) -> None:
+        self.queue.put(data)
+
+    def receive(self) -> bytes:
+        return self.queue.get(timeout=10)
+
+
+def _command_ranks(tmp_path, timeout_s: float = 10.0):
+    path = str(tmp_path / "commands")
+    create_segment(path, command_segment_bytes(2))
+    mailbox = _Mailbox()
+    return [ShmCommands(path, r, 2, timeout_s, mailbox) for r in range(2)]
+
+
+@needs_shm
+def test_shm_commands_arrive_in_order_and_large_ones_over_gloo(tmp_path):
+    sender, receiver = _command_ranks(tmp_path)
+    sent = [b"step 1", bytes(range(256)) * (COMMAND_BYTES // 256 + 1), b"", b"step 4"]
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(receiver.receive() for _ in sent))
+    reader.start()
+    for data in sent:
+        sender.send(data)
+    reader.join(30)
+    assert got == sent
+
+
+@needs_shm
+def test_shm_commands_name_a_rank_that_stops_taking_them(tmp_path):
+    sender, _ = _command_ranks(tmp_path, timeout_s=0.2)
+    sender.send(b"taken by nobody")
+    with pytest.raises(RankLost) as lost:
+        sender.send(b"the next")
+    assert lost.value.rank == 1
+
+
+@needs_shm
+def test_an_idle_rank_notices_that_rank_0_is_gone(tmp_path):
+    sender, receiver = _command_ranks(tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    struct.pack_into("<q", sender.map, 16, dead.pid)  # rank 0's pid, as if it had died
+    with pytest.raises(ConnectionError, match=f"rank 0 \\(pid {dead.pid}\\) is gone"):
+        receiver.receive()

@@ -103,6 +103,28 @@ void lm_shm_all_reduce(void* segment, int rank, int world, int64_t slot_bytes, v
   *h->nanoseconds(rank) += now_ns() - entered;
 }
 
+// A counter in shared memory (parallel/commands.py): publish `value` after the stores before this
+// call (release), and wait until the counter exceeds `value`, for at most `wait_ns` (spinning,
+// then yielding the core); returns the counter as last seen (acquire).
+void lm_shm_publish(void* counter, int64_t value) {
+  static_cast<std::atomic<int64_t>*>(counter)->store(value, std::memory_order_release);
+}
+
+int64_t lm_shm_wait_above(void* counter, int64_t value, int64_t wait_ns) {
+  std::atomic<int64_t>* c = static_cast<std::atomic<int64_t>*>(counter);
+  for (int spin = 0; spin < 4096; ++spin) {
+    int64_t seen = c->load(std::memory_order_acquire);
+    if (seen > value) return seen;
+    _mm_pause();
+  }
+  const int64_t start = now_ns();
+  for (;;) {
+    int64_t seen = c->load(std::memory_order_acquire);
+    if (seen > value || now_ns() - start > wait_ns) return seen;
+    sched_yield();
+  }
+}
+
 // The same with its arguments as 64-bit words, for call lists (call_list.cpp).
 void lm_shm_all_reduce_packed(const int64_t* a) {
   lm_shm_all_reduce((void*)a[0], (int)a[1], (int)a[2], a[3], (void*)a[4], (int)a[5], a[6], a[7], a[8]);

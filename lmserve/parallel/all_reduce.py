@@ -34,39 +34,44 @@ def segment_bytes(world: int) -> int:
     return _LINE * (1 + world) + 2 * world * SLOT_BYTES
 
 
-def create_segment(path: str, world: int) -> None:
-    """Create the zeroed segment file (on /dev/shm) the ranks of one host map."""
+def create_segment(path: str, size: int) -> None:
+    """Create a zeroed segment file of ``size`` bytes (on /dev/shm) for the ranks of one host."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, segment_bytes(world))
+        os.ftruncate(fd, size)
     finally:
         os.close(fd)
 
 
-def _library() -> Optional[ctypes.CDLL]:
+def map_segment(path: str, size: int) -> tuple[mmap.mmap, int]:
+    """The segment file ``path`` mapped, and the address of its first byte."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mapped = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return mapped, ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+
+
+def shm_library() -> Optional[ctypes.CDLL]:
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64  # noqa: E741
     return load_kernel_library("shm_all_reduce",
                                {"lm_shm_all_reduce": [P, I, I, L, P, I, L, L, L]})
 
 
 def shm_available() -> bool:
-    return _library() is not None
+    return shm_library() is not None
 
 
 class ShmAllReduce:
     """Sum over the ranks of one host through the segment file ``path`` (``create_segment``)."""
 
     def __init__(self, path: str, rank: int, world: int, timeout_s: float) -> None:
-        self.lib = _library()
+        self.lib = shm_library()
         if self.lib is None:
             raise RuntimeError("the C++ shared-memory all-reduce is not available on this machine")
         self.rank, self.world, self.timeout_ms = rank, world, int(timeout_s * 1000)
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self.map = mmap.mmap(fd, segment_bytes(world))
-        finally:
-            os.close(fd)
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.map, self.address = map_segment(path, segment_bytes(world))
 
     def __call__(self, t: torch.Tensor) -> None:
         """Sum the contiguous float32 or bf16 tensor ``t`` (rows, width) over the ranks, in place."""

@@ -3,7 +3,6 @@ the other ranks as plain data, then run on rank 0's own part; the other ranks ru
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
 
 import torch
@@ -11,8 +10,6 @@ import torch
 from lmserve.parallel.group import ParallelGroup
 from lmserve.runner import ModelRunner
 from lmserve.step import StepInput
-
-KEEP_ALIVE_S = 1.0
 
 
 class ParallelRunner:
@@ -52,8 +49,5 @@ class ParallelRunner:
         self.local.discard_kv(pages, lambda p: free[p])
 
     def keep_alive(self) -> None:
-        """Send a no-op if rank 0 has sent nothing for a second (the engine calls this every
-        second): the others wait for commands under the collective timeout."""
-        if time.monotonic() - self.group.last_send >= KEEP_ALIVE_S:
-            self.group.send(("noop",))
-
+        """Called every second by the engine (see ``ParallelGroup.keep_alive``)."""
+        self.group.keep_alive()

@@ -4,15 +4,12 @@ that they agree, rank 0's commands to the others, and failing fast when a rank i
 Two timeouts:
 
 - start-up (``LMSERVE_START_TIMEOUT_S``, 300 s: loading takes a while), on the default group;
-- every collective after that (``LMSERVE_COLLECTIVE_TIMEOUT_S``, 30 s): rank 0 broadcasts each
-  step (plain data, ``lmserve.step``) to the others on the ``commands`` group, and ranks meet in
-  the all-reduce within every layer. gloo's broadcast waits for every receiver, so a rank that
-  has not come for that long is dead or hung, whichever side waits. An idle rank 0 sends a
-  keep-alive each second (``ParallelRunner.keep_alive``) so that waiting is never mistaken for
-  a failure; a dead rank 0 closes its connections, which ends the others' wait at once.
+- every wait after that (``LMSERVE_COLLECTIVE_TIMEOUT_S``, 30 s): for a rank to take rank 0's
+  next command (``parallel.commands``), and for the ranks to meet in an all-reduce, which
+  they do within every layer. A rank that has not come for that long is dead or hung.
 
-On one host the all-reduce goes through shared memory instead (``ShmAllReduce``), under the
-same timeout, and a watchdog thread ends its waits as soon as a started rank's process exits.
+On one host both go through shared memory (``ShmCommands``, ``ShmAllReduce``), and a
+watchdog thread ends every wait as soon as a started rank's process exits.
 """
 
 from __future__ import annotations
@@ -36,7 +33,10 @@ import torch.distributed as dist
 import lmserve
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.loader import resolve_model_path
-from lmserve.parallel.all_reduce import AllReduce, GlooAllReduce, ShmAllReduce, create_segment, shm_available
+from lmserve.parallel.all_reduce import (AllReduce, GlooAllReduce, ShmAllReduce, create_segment,
+                                         segment_bytes, shm_available)
+from lmserve.parallel.commands import (Commands, GlooCommands, RankLost, ShmCommands,
+                                       command_segment_bytes)
 from lmserve.parallel.placement import Placement, pin, placement
 
 logger = logging.getLogger("lmserve")
@@ -74,7 +74,7 @@ class ParallelGroup:
     """This process's view of the ranks: ``start`` on the process that starts its host's
     ranks, then ``join`` on every rank."""
 
-    def __init__(self, place: Placement, tensor: int, all_reduce: AllReduce, commands,
+    def __init__(self, place: Placement, tensor: int, all_reduce: AllReduce, commands: Commands,
                  timeout: float) -> None:
         self.place = place
         self.timeout = timeout  # of every collective, in seconds
@@ -125,47 +125,51 @@ class ParallelGroup:
         _check_agreement(config, place.rank)
         timeout = collective_timeout_s()
         collective = datetime.timedelta(seconds=timeout)
-        commands = dist.new_group(backend="gloo", timeout=collective)
+        gloo = GlooCommands(dist.new_group(backend="gloo", timeout=collective), place.world)
         tensor = config.tensor_parallel_shards or 1
-        if place.one_host and shm_available():
-            path = f"/dev/shm/lmserve-all-reduce-{place.master_port}"
+        # The ranks of one host meet in shared memory (LMSERVE_TRANSPORT=gloo: over gloo, as
+        # across hosts, which benchmarks/parallel.py compares).
+        if place.one_host and shm_available() and os.environ.get("LMSERVE_TRANSPORT") != "gloo":
+            paths = [f"/dev/shm/lmserve-{kind}-{place.master_port}" for kind in ("all-reduce", "commands")]
             if place.rank == 0:
-                if os.path.exists(path):  # left by an engine that was killed on this port
-                    os.unlink(path)
-                create_segment(path, place.world)
+                for path, size in zip(paths, (segment_bytes(place.world),
+                                              command_segment_bytes(place.world))):
+                    if os.path.exists(path):  # left by an engine that was killed on this port
+                        os.unlink(path)
+                    create_segment(path, size)
             dist.barrier()
-            all_reduce: AllReduce = ShmAllReduce(path, place.rank, place.world, timeout)
+            all_reduce: AllReduce = ShmAllReduce(paths[0], place.rank, place.world, timeout)
+            commands: Commands = ShmCommands(paths[1], place.rank, place.world, timeout, gloo)
             dist.barrier()
             if place.rank == 0:
-                os.unlink(path)  # mapped by every rank: nothing is left behind, however they end
+                for path in paths:
+                    os.unlink(path)  # mapped by every rank: nothing is left behind, however they end
         else:
             all_reduce = GlooAllReduce(dist.new_group(backend="gloo", timeout=collective))
+            commands = gloo
         return ParallelGroup(place, tensor, all_reduce, commands, timeout)
 
     # -- commands from rank 0 -------------------------------------------------------------------
 
     def send(self, command: Any) -> None:
-        """Rank 0: hand ``command`` to every other rank (in the order they ``receive``). One
-        send per rank rather than a broadcast, so that a timeout names the rank."""
+        """Rank 0: hand ``command`` to every other rank (in the order they ``receive``)."""
         started = time.perf_counter()
-        data = torch.frombuffer(bytearray(pickle.dumps(command)), dtype=torch.uint8)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        for rank in range(1, self.place.world):
-            try:
-                dist.send(size, dst=rank, group=self.commands)
-                dist.send(data, dst=rank, group=self.commands)
-            except RuntimeError as err:
-                raise self.failure(err, rank) from err
+        try:
+            self.commands.send(pickle.dumps(command))
+        except RankLost as lost:
+            raise self.failure(lost.__cause__, lost.rank) from lost
         self.last_send = time.monotonic()
         self.send_seconds += time.perf_counter() - started
 
     def receive(self) -> Any:
         """The other ranks: rank 0's next command."""
-        size = torch.empty(1, dtype=torch.int64)
-        dist.recv(size, src=0, group=self.commands)
-        data = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(data, src=0, group=self.commands)
-        return pickle.loads(data.numpy().tobytes())
+        return pickle.loads(self.commands.receive())
+
+    def keep_alive(self) -> None:
+        """Rank 0, every second: a no-op command where the others' wait for commands times out
+        (gloo), unless one went out within the second."""
+        if self.commands.needs_keep_alive and time.monotonic() - self.last_send >= 1.0:
+            self.send(("noop",))
 
     def barrier(self) -> None:
         dist.barrier()
@@ -190,7 +194,8 @@ class ParallelGroup:
                                    f"it is hung or gone")
         who = "a rank" if rank is None else f"rank {rank}"
         return ParallelFailure(f"{who} did not answer within {self.timeout:g} s "
-                               f"(LMSERVE_COLLECTIVE_TIMEOUT_S): it is hung or gone ({err})")
+                               f"(LMSERVE_COLLECTIVE_TIMEOUT_S): it is hung or gone"
+                               + (f" ({err})" if err is not None else ""))
 
     def _watch(self) -> None:
         """Notice a started rank's exit at once: log it and end every rank's waits."""

@@ -33,7 +33,7 @@ def serve_rank(config: EngineConfig, group: ParallelGroup) -> int:
     while True:
         try:
             command = group.receive()
-        except RuntimeError as err:  # rank 0 is gone (its connection closed)
+        except (RuntimeError, ConnectionError) as err:  # rank 0 is gone
             logger.error("rank %d: lost rank 0 (%s); exiting", group.rank, err)
             return 1
         kind = command[0]
