@@ -68,17 +68,53 @@ def both(config: EngineConfig, fn):
         parallel.close()
 
 
-def assert_same_greedy(expected, got, tolerance: float) -> None:
+def assert_same_greedy(expected, got, tolerance: float, length: int = 12) -> None:
     (tokens, logprobs), (tp_tokens, tp_logprobs) = expected, got
-    assert tp_tokens == tokens and all(len(t) == 12 for t in tokens)
+    assert tp_tokens == tokens and all(len(t) == length for t in tokens)
     for a, b in zip(logprobs, tp_logprobs):
         assert a == pytest.approx(b, abs=tolerance)
 
 
-def test_tensor_parallel_greedy_matches_one_process_at_O0(tiny_hf):
-    """float32 partial sums added in another order: logprobs within 1e-4."""
-    config = EngineConfig(model=tiny_hf, opt="O0", tensor_parallel_shards=2, verbose=False)
-    assert_same_greedy(*both(config, lambda c: run(c, PROMPTS)), tolerance=1e-4)
+def test_tensor_parallel_greedy_matches_one_process_at_O0_with_draft_trees(tiny_hf):
+    """float32 partial sums added in another order: logprobs within 1e-4; the parallel engine
+    verifies n-gram draft trees and accepts some (every rank runs the tree steps)."""
+    config = EngineConfig(model=tiny_hf, opt="O0", verbose=False)
+    expected = run(EngineCore(config), PROMPTS, max_tokens=40)  # long enough to repeat itself
+    parallel = EngineCore(dataclasses.replace(config, tensor_parallel_shards=2,
+                                              speculative_mode="ngram", spec_draft_length=3,
+                                              spec_tree_width=2))
+    try:
+        assert_same_greedy(expected, run(parallel, PROMPTS, max_tokens=40), 1e-4, length=40)
+        assert parallel.stats().spec_num_accepted_tokens > 0
+    finally:
+        parallel.close()
+
+
+def top2(core: EngineCore, prompts, max_tokens=12) -> list[list[tuple[int, dict[int, float]]]]:
+    """Per request, per token: the greedy token and the two best tokens' logprobs."""
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2))
+    out: dict[str, list] = {str(i): [] for i in range(len(prompts))}
+    while core.has_work():
+        for o in core.step():
+            for d in o.deltas:
+                out[o.request_id] += [(lp.token_id, dict(lp.top)) for lp in d.logprobs]
+    return [out[k] for k in sorted(out)]
+
+
+@pytest.mark.parametrize("opt", ["O1", "O3"])
+def test_the_other_levels_run_sharded(tiny_q41, opt):
+    """bf16 weights and activations (O1); one int8 digit and an int8 KV cache (O3). Rounded
+    partial sums may flip a near-tie, so a continuation may part from one process's, but only
+    where one process's two best tokens are within 0.1 of each other."""
+    config = EngineConfig(model=tiny_q41, opt=opt, tensor_parallel_shards=2, verbose=False)
+    expected, got = both(config, lambda c: top2(c, PROMPTS))
+    for one, tp in zip(expected, got):
+        parted = next((i for i, (a, b) in enumerate(zip(one, tp)) if a[0] != b[0]), len(one))
+        assert parted >= 3  # the first tokens are no near-ties
+        if parted < len(one):
+            best = one[parted][1]
+            assert tp[parted][0] in best and abs(best[one[parted][0]] - best[tp[parted][0]]) < 0.1
 
 
 @pytest.fixture(scope="module")

@@ -214,22 +214,31 @@ def test_ngram_output_is_identical_alone_and_in_company(prompts, reference, k, w
         engine.shutdown()
 
 
+@pytest.fixture(scope="module")
+def plain_at_level(prompts):
+    """Greedy answers to four prompts without speculation, per opt level (computed once)."""
+    answers: dict[str, list[list[int]]] = {}
+
+    def answer(opt: str) -> list[list[int]]:
+        if opt not in answers:
+            with Engine(opt=opt, max_num_sequence=4, verbose=False) as plain:
+                answers[opt] = run_concurrently(plain, prompts[:4], GREEDY)
+        return answers[opt]
+
+    return answer
+
+
 @pytest.mark.parametrize("width", [1, 3])
 @pytest.mark.parametrize("opt", ["O0", "O1", "O3", "O2;act_dtype=float32;kv_dtype=float32"])
-def test_ngram_output_is_identical_at_every_level(prompts, opt, width):
+def test_ngram_output_is_identical_at_every_level(prompts, plain_at_level, opt, width):
     """A verify step runs several tokens of a sequence where plain decoding runs one (a draft
     tree's tokens each over its own ancestors): every level computes a token's row the same way
     either way."""
-    plain = Engine(opt=opt, max_num_sequence=4, verbose=False)
-    spec = Engine(opt=opt, max_num_sequence=4, verbose=False, speculative_mode="ngram",
-                  spec_draft_length=4, spec_tree_width=width)
-    try:
-        want = run_concurrently(plain, prompts[:4], GREEDY)
+    want = plain_at_level(opt)
+    with Engine(opt=opt, max_num_sequence=4, verbose=False, speculative_mode="ngram",
+                spec_draft_length=4, spec_tree_width=width) as spec:
         assert run_concurrently(spec, prompts[:4], GREEDY) == want
         assert spec.stats().spec_num_accepted_tokens > 0
-    finally:
-        plain.shutdown()
-        spec.shutdown()
 
 
 @pytest.mark.parametrize("mode, prefill_mode, width", [

@@ -267,9 +267,7 @@ class EngineCore:
             return build_worker(path, self.args, self.plan, opt, self.device)
         self.group.send(self.plan)
         runner = ParallelRunner(build_rank(self.config, self.plan, self.group), self.group)
-        logger.info("parallel engine: %d tensor-parallel ranks on %d host(s); all-reduce %s",
-                    self.group.place.world, self.group.place.nnodes,
-                    type(self.group.all_reduce).__name__)
+        logger.info("parallel engine: %s", self.group.describe())
         return runner
 
 

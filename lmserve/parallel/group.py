@@ -92,6 +92,9 @@ class ParallelGroup:
     @staticmethod
     def start(config: EngineConfig) -> ParallelGroup:
         """Start this host's other ranks, then join the group (see ``placement``)."""
+        if dist.is_initialized():
+            raise RuntimeError("this process already runs a parallel engine (torch.distributed "
+                               "has one default group a process): close it first")
         world = world_size(config)
         place = placement(world)
         cores = sorted(os.sched_getaffinity(0))
@@ -173,6 +176,14 @@ class ParallelGroup:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def describe(self) -> str:
+        """This rank's place, for the start-up log."""
+        shm = isinstance(self.commands, ShmCommands)
+        return (f"rank {self.rank} of {self.place.world} on {self.place.nnodes} host(s), layers "
+                f"split {self.tensor} ways, cores {sorted(os.sched_getaffinity(0))} with "
+                f"{torch.get_num_threads()} thread(s), steps and all-reduces through "
+                f"{'shared memory' if shm else 'gloo'}")
 
     # -- failures -------------------------------------------------------------------------------
 

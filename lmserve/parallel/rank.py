@@ -29,6 +29,7 @@ def serve_rank(config: EngineConfig, group: ParallelGroup) -> int:
     """Build this rank's worker on rank 0's plan and run rank 0's commands; the exit status."""
     plan = group.receive()
     runner = build_rank(config, plan, group)
+    logger.info("parallel engine: %s", group.describe())
     group.barrier()  # every rank is built and rank 0 is ready: steps may come
     while True:
         try:

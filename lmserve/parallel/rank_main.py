@@ -30,10 +30,10 @@ def main(argv: list[str]) -> int:
     spec = RankSpec(**json.loads(argv[1]))
     parent = os.getppid()
     _die_with_parent(parent)
-    logging.basicConfig(format=f"%(asctime)s lmserve rank {spec.placement['rank']}: %(message)s",
-                        level=logging.INFO)
-    pin(spec.cores, spec.local_index, spec.local_ranks)
     config = EngineConfig.from_json(spec.config)
+    logging.basicConfig(format=f"%(asctime)s lmserve rank {spec.placement['rank']}: %(message)s",
+                        level=logging.INFO if config.verbose else logging.WARNING)
+    pin(spec.cores, spec.local_index, spec.local_ranks)
     place = Placement(**{**spec.placement, "spawns": tuple(spec.placement["spawns"])})
     return serve_rank(config, ParallelGroup.join(place, config))
 
