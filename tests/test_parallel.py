@@ -161,6 +161,8 @@ def test_tensor_parallel_preemption_prefix_cache_and_aborts(q41_engines):
 def test_a_hung_rank_fails_the_engine_within_the_collective_timeout(q41_engines):
     parallel = q41_engines[1]
     (rank,) = rank_pids(os.getpid())
+    # In a session of its own: a terminal's Ctrl-C reaches only rank 0, which drains first.
+    assert os.getsid(rank) == rank != os.getsid(0)
     os.kill(rank, signal.SIGSTOP)
     stopped = time.monotonic()
     with pytest.raises(ParallelFailure, match=r"rank 1 did not (reach an all-reduce|answer) within 5 s"):

@@ -103,8 +103,11 @@ class ParallelGroup:
         for i, rank in enumerate(place.spawns, start=1):
             spec = RankSpec(config.asjson(), asdict(place) | {"rank": rank, "spawns": ()}, cores,
                             i, local)
+            # In a session of its own: a terminal's Ctrl-C (or a signal to the process group)
+            # reaches rank 0, which drains and then stops the ranks; they die with it anyway.
             children[rank] = subprocess.Popen(
-                [sys.executable, "-m", "lmserve.parallel.rank_main", json.dumps(asdict(spec))])
+                [sys.executable, "-m", "lmserve.parallel.rank_main", json.dumps(asdict(spec))],
+                start_new_session=True)
         unpinned = (os.sched_getaffinity(0), torch.get_num_threads())
         pin(cores, 0, local)
         try:
