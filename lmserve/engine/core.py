@@ -270,7 +270,6 @@ class EngineCore:
         logger.info("parallel engine: %s", self.group.describe())
         return runner
 
-
     def _make_prefix_cache(self, config: EngineConfig, plan) -> Optional[RadixCache]:
         """The radix prefix cache, unless disabled (mode "disable", or 0 recycled sequences)."""
         limit = config.prefix_cache_max_num_recycling_seqs

@@ -48,7 +48,7 @@ def serve_rank(config: EngineConfig, group: ParallelGroup) -> int:
             runner.move_kv(command[1], command[2])
         elif kind == "discard_kv":
             free = command[2]
-            runner.kv.discard(command[1], lambda p: free[p])
+            runner.discard_kv(command[1], lambda p: free[p])
         elif kind == "stop":
             group.close()
             return 0
