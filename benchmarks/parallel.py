@@ -34,19 +34,22 @@ PROMPT = list(range(1000, 1032))
 NEW_TOKENS = 64
 
 
-def measure(model: str, tp: int) -> dict:
+def measure(model: str, tp: int, pp: int) -> dict:
     """One layout's numbers, in this process."""
     from lmserve.config import EngineConfig
     from lmserve.engine.core import EngineCore
     from lmserve.sampling_params import SamplingParams
 
-    core = EngineCore(EngineConfig(model=model, tensor_parallel_shards=tp, mode="server",
-                                   max_num_sequence=16, verbose=False))
+    core = EngineCore(EngineConfig(model=model, tensor_parallel_shards=tp, pipeline_parallel_stages=pp,
+                                   mode="server", max_num_sequence=16, verbose=False))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     group = core.group
 
-    def clocks() -> tuple[float, float]:
-        return (group.all_reduce.seconds(), group.send_seconds) if group else (0.0, 0.0)
+    def clocks() -> tuple[float, float, float]:
+        if group is None:
+            return 0.0, 0.0, 0.0
+        reduce = group.all_reduce.seconds() if group.all_reduce else 0.0
+        return reduce, group.send_seconds, group.channel_seconds()
 
     def generate(n: int) -> tuple[float, float, int, tuple[float, float]]:
         """(seconds of the whole run, of its steps after the first (the prompts' prefill:
@@ -64,12 +67,12 @@ def measure(model: str, tp: int) -> dict:
         return end - start, end - decode_start, steps, spent
 
     generate(1)  # warm-up
-    _, decode_s, steps, (reduce_s, send_s) = generate(1)
+    _, decode_s, steps, (reduce_s, send_s, channel_s) = generate(1)
     total_s, _, _, _ = generate(16)
     core.close()
     return {"decode_tok_s": steps / decode_s, "c16_tok_s": 16 * NEW_TOKENS / total_s,
             "step_ms": 1e3 * decode_s / steps, "all_reduce_ms": 1e3 * reduce_s / steps,
-            "send_ms": 1e3 * send_s / steps}
+            "send_ms": 1e3 * send_s / steps, "channel_ms": 1e3 * channel_s / steps}
 
 
 def default_model(directory: str) -> str:
@@ -86,20 +89,23 @@ def default_model(directory: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", help="a GGUF file (default: a random model, see above)")
-    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: measure this layout
+    parser.add_argument("--one", nargs=2, type=int, help=argparse.SUPPRESS)  # a child: tp, pp
     args = parser.parse_args()
     model = args.model or default_model(tempfile.gettempdir())
     if args.one is not None:
-        print(json.dumps(measure(model, args.one)))
+        print(json.dumps(measure(model, *args.one)))
         return
-    layouts = {"one process": (1, "shm"), f"TP={args.tp} shm": (args.tp, "shm"),
-               f"TP={args.tp} gloo": (args.tp, "gloo")}
+    layouts = {"one process": (1, 1, "shm")}
+    for transport in ("shm", "gloo"):
+        layouts[f"TP={args.tp} {transport}"] = (args.tp, 1, transport)
+        layouts[f"PP={args.pp} {transport}"] = (1, args.pp, transport)
     results: dict[str, list[dict]] = {name: [] for name in layouts}
     for _ in range(args.rounds):
-        for name, (tp, transport) in layouts.items():
-            out = subprocess.run([sys.executable, __file__, "--one", str(tp), "--model", model],
+        for name, (tp, pp, transport) in layouts.items():
+            out = subprocess.run([sys.executable, __file__, "--one", str(tp), str(pp), "--model", model],
                                  capture_output=True, text=True, check=True,
                                  env={**os.environ, "LMSERVE_TRANSPORT": transport})
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -107,14 +113,15 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "?")
     print(f"{os.path.basename(model)}, default level, {os.cpu_count()} cores ({cpu}); "
-          f"medians of {args.rounds} interleaved rounds")
+          f"medians of {args.rounds} interleaved rounds; per one-stream decode step, rank 0's "
+          f"time in all-reduces, handing out the step, and its pipeline channels")
     print(f"{'layout':<12} {'decode tok/s':>12} {'c=16 tok/s':>11} {'step ms':>8} "
-          f"{'all-reduce ms':>13} {'send ms':>8} {'comm share':>10}")
+          f"{'all-reduce ms':>13} {'send ms':>8} {'channel ms':>10} {'comm share':>10}")
     for name, m in med.items():
-        comm = m["all_reduce_ms"] + m["send_ms"]
+        comm = m["all_reduce_ms"] + m["send_ms"] + m["channel_ms"]
         print(f"{name:<12} {m['decode_tok_s']:>12.1f} {m['c16_tok_s']:>11.1f} "
               f"{m['step_ms']:>8.2f} {m['all_reduce_ms']:>13.2f} {m['send_ms']:>8.2f} "
-              f"{100 * comm / m['step_ms']:>9.1f}%")
+              f"{m['channel_ms']:>10.2f} {100 * comm / m['step_ms']:>9.1f}%")
     one = med["one process"]
     for name in list(med)[1:]:
         par = med[name]

@@ -24,6 +24,7 @@ from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.layers.linear import FLOAT_DTYPES
 from lmserve.models.args import ModelArgs
 from lmserve.parallel.shard import check_shardable, shard_args
+from lmserve.parallel.stages import stage_layers
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K
 from lmserve.spec.eagle_heads import eagle_heads_bytes
 from lmserve.spec.medusa import medusa_heads_bytes
@@ -67,8 +68,9 @@ class MemoryPlan:
     margin: int  # the runtime itself
     draft: int = 0  # of weights and kv: the draft model's weights and KV (small_draft)
     state: int = 0  # recurrent-state slots (Mamba-family models)
-    # Of weights: each tensor-parallel rank's (empty for one process). KV is split evenly.
+    # Of weights and kv: each parallel rank's (empty for one process).
     rank_weights: tuple[int, ...] = ()
+    rank_kv: tuple[int, ...] = ()
 
     @property
     def total(self) -> int:
@@ -99,6 +101,7 @@ class EnginePlan:
     max_pages_per_sequence: int  # the most KV pages one sequence holds
     state: Optional[StatePlan]  # recurrent-state slots, for models with recurrent layers
     memory: MemoryPlan
+    stage_layers: tuple[range, ...] = ()  # each pipeline stage's layers (none: one stage)
 
     @property
     def bounded(self) -> bool:
@@ -108,7 +111,7 @@ class EnginePlan:
     def describe(self) -> str:
         """An aligned two-column table of the plan, for the start-up log and ``lmserve plan``."""
         rows = [(f.name, str(getattr(self, f.name))) for f in dataclasses.fields(self)
-                if f.name not in ("memory", "window", "window_layers", "state")]
+                if f.name not in ("memory", "window", "window_layers", "state", "stage_layers")]
         rows.insert(next(i for i, (name, _) in enumerate(rows) if name == "max_pages_per_sequence"),
                     ("sliding_window", _describe_window(self)))
         m = self.memory
@@ -122,6 +125,9 @@ class EnginePlan:
             ("runtime_margin", _gib(m.margin)),
             *([(_DRAFT_ROWS.get(self.speculative.split(" ")[0].rstrip(","), "draft_model"),
                 f"{_gib(m.draft)} of the weights and KV cache above")] if m.draft else []),
+            *([("pipeline_stages", " | ".join(f"layers {r.start}-{r.stop - 1}"
+                                               for r in self.stage_layers))]
+              if self.stage_layers else []),
             *([("per_rank", _describe_ranks(m))] if m.rank_weights else []),
             ("expected_memory", f"{_gib(m.total)} of a {_gib(m.budget)} budget "
                                 f"({_gib(m.device)} device)"),
@@ -149,6 +155,11 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     if draft_args is not None:  # an EAGLE head's layer keeps KV and attends as the target does
         models.append((draft_args, opt if eagle else parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT)))
     kv_dtypes = [_kv_dtype(a, o, config.kv_cache_page_size) for a, o in models]
+    stages = config.pipeline_parallel_stages or 1
+    if stages > 1 and config.speculative_mode in ("medusa", "eagle"):
+        raise ValueError(f"speculative_mode={config.speculative_mode!r} drafts from the hidden "
+                         f"states of every token a step runs, which pipeline_parallel_stages="
+                         f"{stages} leaves on the last stage; use ngram or small_draft")
     # Heads on the target's hidden states: their files' tensors (an EAGLE head's layer is
     # ``draft_args``, which shares the target's embedding and head).
     heads = 0
@@ -158,7 +169,9 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         except FileNotFoundError as err:
             raise FileNotFoundError(f"additional_models[0]: {err}") from None
     tensor = config.tensor_parallel_shards or 1
-    rank_weights = rank_weight_bytes(args, opt, tensor) if tensor > 1 else ()
+    layers_of_stages = stage_layers(args, stages, tensor) if stages > 1 else ()
+    rank_weights = rank_weight_bytes(args, opt, tensor, layers_of_stages) \
+        if tensor * stages > 1 else ()
     weights = heads + sum(rank_weights or [weight_bytes(args, opt.weight_dtype, opt.act_dtype)]) + sum(
         weight_bytes(a, o.weight_dtype, o.act_dtype) for a, o in models[1: 1 if eagle else None])
     kv_per_token = sum(_kv_per_token(a, d) for (a, _), d in zip(models, kv_dtypes))
@@ -232,8 +245,11 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     if draft_args is not None:
         draft = (heads or weight_bytes(draft_args, models[1][1].weight_dtype, models[1][1].act_dtype)) \
             + num_pages * page * _kv_per_token(draft_args, kv_dtypes[1])
-    memory = MemoryPlan(device, budget, weights, kv_per_token, num_pages * page * kv_per_token,
-                        workspace, margin, draft, state.bytes if state else 0, rank_weights)
+    kv = num_pages * page * kv_per_token
+    rank_kv = tuple(kv * len(layers_of_stages[r // tensor] if layers_of_stages else args.attention_layers)
+                    // (len(args.attention_layers) * tensor) for r in range(len(rank_weights)))
+    memory = MemoryPlan(device, budget, weights, kv_per_token, kv, workspace, margin, draft,
+                        state.bytes if state else 0, rank_weights, rank_kv)
     if window is not None and config.speculative_mode != "disable":
         deepest = config.spec_draft_length or MAX_ADAPTIVE_K
         if window.size <= deepest:
@@ -245,7 +261,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
                       opt.weight_dtype, kv_dtypes[0], opt.act_dtype,
                       opt.mlp_act_dtype or opt.act_dtype, opt.attention, opt.compile,
                       _speculative(config, models), kv_dtypes[1] if draft_args else None,
-                      window, window_layers, held, state, memory)
+                      window, window_layers, held, state, memory, layers_of_stages)
 
 
 def resolve_window(size: Optional[int], sinks: Optional[int], args: ModelArgs
@@ -266,10 +282,17 @@ def resolve_window(size: Optional[int], sinks: Optional[int], args: ModelArgs
 
 
 def _describe_ranks(m: MemoryPlan) -> str:
-    ranks = len(m.rank_weights)
-    kv = _gib(m.kv // ranks)
-    return (f"rank 0: weights {_gib(m.rank_weights[0])}, KV {kv}; ranks 1-{ranks - 1}: weights "
-            f"{_gib(m.rank_weights[1])}, KV {kv} each (the KV of each rank's heads)")
+    """Each rank's weights and KV, ranks with the same numbers together."""
+    groups: list[tuple[list[int], int, int]] = []
+    for rank, (weights, kv) in enumerate(zip(m.rank_weights, m.rank_kv)):
+        if groups and groups[-1][1:] == (weights, kv):
+            groups[-1][0].append(rank)
+        else:
+            groups.append(([rank], weights, kv))
+    return "; ".join(
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {ranks[0]}{'' if len(ranks) == 1 else f'-{ranks[-1]}'}: "
+        f"weights {_gib(weights)}, KV {_gib(kv)}{'' if len(ranks) == 1 else ' each'}"
+        for ranks, weights, kv in groups)
 
 
 def _describe_window(plan: EnginePlan) -> str:
@@ -320,12 +343,21 @@ def head_bytes(args: ModelArgs, weight_format: str) -> int:
     return int(args.vocab_size * args.hidden_size * _WEIGHT_BYTES[weight_format])
 
 
-def rank_weight_bytes(args: ModelArgs, opt: OptFlags, ranks: int) -> tuple[int, ...]:
-    """Each tensor-parallel rank's weights: its share of every layer, the whole embedding
-    table, and (rank 0 only) the head (see ``parallel.shard``)."""
-    check_shardable(args, ranks, opt.weight_dtype not in FLOAT_DTYPES)
-    first = weight_bytes(shard_args(args, ranks), opt.weight_dtype, opt.act_dtype)
-    return (first,) + (first - head_bytes(args, opt.weight_dtype),) * (ranks - 1)
+def rank_weight_bytes(args: ModelArgs, opt: OptFlags, tensor: int,
+                      stages: tuple[range, ...] = ()) -> tuple[int, ...]:
+    """Each parallel rank's weights: its share of its stage's layers (of every layer without
+    pipeline stages), the embedding table on the first stage, the head on rank 0 only (see
+    ``parallel.shard`` and ``parallel.stages``)."""
+    if tensor > 1:
+        check_shardable(args, tensor, opt.weight_dtype not in FLOAT_DTYPES)
+    part = shard_args(args, tensor) if tensor > 1 else args
+    whole = weight_bytes(part, opt.weight_dtype, opt.act_dtype)
+    head = head_bytes(args, opt.weight_dtype)
+    ends = weight_bytes(dataclasses.replace(part, num_layers=0), opt.weight_dtype, opt.act_dtype)
+    per_layer = (whole - ends) / args.num_layers  # (no recurrent layers: refused above)
+    stages = stages or (range(args.num_layers),)
+    return tuple(int(len(stages[r // tensor]) * per_layer + (ends - head if r < tensor else 4 * args.hidden_size)
+                     + (head if r == 0 else 0)) for r in range(tensor * len(stages)))
 
 
 def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16") -> int:

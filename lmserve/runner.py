@@ -46,9 +46,8 @@ class ModelRunner:
         self.states = states
         self.ssm_kernels = ssm_kernels
         self.all_reduce = all_reduce
-        num_layers = model.args.num_layers
-        layers = range(num_layers) if window_layers is None else window_layers
-        self.windowed = tuple(window is not None and i in layers for i in range(num_layers))
+        layers = model.layer_ids if window_layers is None else window_layers
+        self.windowed = tuple(window is not None and i in layers for i in model.layer_ids)
         self.rotary = model.rotary(max_positions, device)
         self.last_hidden: Optional[torch.Tensor] = None  # the last step's, of its logit rows
         # What drafters on the target's hidden states draft from, kept for every token of the
@@ -60,11 +59,13 @@ class ModelRunner:
                                              window is not None and window.sinks > 0, all_reduce)
 
     def execute(self, step: StepInput, features: Optional[torch.Tensor] = None,
-                logits: bool = True) -> torch.Tensor:
+                logits: bool = True, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``(step.num_logits, V)``: each sequence's rows, for its last ``num_logits``
         tokens in order, sequences in step order. ``features``: a row per token of the step, for
         a model that reads them beside the tokens (an EAGLE draft). ``logits=False``: the hidden
-        states of those rows instead (a tensor-parallel rank that does not sample)."""
+        states of those rows instead (a parallel rank that does not sample). A pipeline stage
+        starts from the previous one's ``residual`` (T, D) and, unless it is the last, returns
+        its own."""
         input_ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []  # flat index of each token whose logits are wanted
@@ -114,8 +115,12 @@ class ModelRunner:
             all_reduce=self.all_reduce,
         )
         ids = torch.tensor(input_ids, device=self.device)
-        hidden = self.model.forward(ids, ctx) if features is None else \
-            self.model.forward(ids, ctx, features)  # (T, D)
+        if features is not None:  # (an EAGLE draft)
+            hidden = self.model.forward(ids, ctx, features)  # (T, D)
+        else:
+            hidden = self.model.forward(ids, ctx, residual)
+            if not self.model.last:
+                return hidden  # the residual stream, for the next stage
         if self.feature_layers is not None:
             self.features = torch.cat([ctx.captured[i] for i in self.feature_layers], dim=-1) \
                 if self.feature_layers else hidden
@@ -125,6 +130,11 @@ class ModelRunner:
         # The hidden state of each logit row (an EAGLE draft's next input).
         self.last_hidden = hidden[torch.tensor(rows, device=self.device)]  # (R, D)
         return self.model.logits(self.last_hidden) if logits else self.last_hidden  # (R, V)
+
+    def submit(self, step: StepInput) -> Callable[[], torch.Tensor]:
+        """``execute`` as the engine starts a step (see ``ParallelRunner.submit``): at once."""
+        logits = self.execute(step)
+        return lambda: logits
 
     def discard_kv(self, pages: list[int], is_free: Callable[[int], bool]) -> None:
         """Give the memory of free KV ``pages`` back to the system (``KVCache.discard``)."""

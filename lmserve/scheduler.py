@@ -94,11 +94,16 @@ class Scheduler:
         prefill_chunk_size: int,
         prefill_mode: str = "hybrid",
         lookahead: Optional[Callable[[list[Sequence], bool], list[int]]] = None,
+        pipeline_depth: int = 1,
     ) -> None:
         """``lookahead(seqs, with_prefill)``: the draft slots to reserve for each of this step's
         decoding sequences (the speculative drafter's wish), told whether prefill chunks may
-        share the step; None without speculation."""
+        share the step; None without speculation. ``pipeline_depth``: batches in flight at
+        once (pipeline stages), each of about ``1 / pipeline_depth`` of the sequences."""
         self.kv = kv
+        self.pipeline_depth = pipeline_depth
+        self.in_flight: set[Sequence] = set()  # scheduled, not updated yet (pipeline_depth > 1)
+        self._cap = max_num_sequence  # most sequences in the batch being scheduled
         self.lookahead = lookahead
         self.max_num_sequence = max_num_sequence
         self.prefill_chunk_size = prefill_chunk_size
@@ -124,12 +129,14 @@ class Scheduler:
         already running, or a preempted prefill would come straight back and take them again.
         """
         preempted = self.num_preemptions
-        decodes_wait = any(s.is_decoding for s in self.running)
+        self._cap = self._batch_cap()
+        decodes_wait = any(s.is_decoding for s in self._ready())
         if (self.prefill_mode == "chunked" and self._has_prefill_work()
                 and not (self._last_step_prefilled and decodes_wait)):
             chunks = self._schedule_running(decodes=False, prefills=True)
             if self.num_preemptions == preempted:
-                chunks += self._admit_waiting(self.prefill_chunk_size - self._tokens(chunks))
+                chunks += self._admit_waiting(self.prefill_chunk_size - self._tokens(chunks),
+                                              self._cap - len(chunks))
             self._last_step_prefilled = bool(chunks)
             if chunks:
                 return self._batch(chunks)
@@ -137,17 +144,35 @@ class Scheduler:
         self._last_step_prefilled = False
         chunks = self._schedule_running(decodes=True, prefills=self.prefill_mode == "hybrid")
         if self.prefill_mode == "hybrid" and self.num_preemptions == preempted:
-            chunks += self._admit_waiting(self.prefill_chunk_size - self._tokens(chunks))
+            chunks += self._admit_waiting(self.prefill_chunk_size - self._tokens(chunks),
+                                          self._cap - len(chunks))
         self._grant_draft_slots(chunks)
         return self._batch(chunks)
 
     def _batch(self, chunks: list[ScheduledChunk]) -> Optional[Batch]:
         """The step's batch, with the state copies decided since the last one; None if empty."""
-        return Batch(chunks, self.kv.take_state_copies()) if chunks else None
+        if not chunks:
+            return None
+        if self.pipeline_depth > 1:
+            self.in_flight.update(c.seq for c in chunks)
+        return Batch(chunks, self.kv.take_state_copies())
+
+    def _ready(self) -> list[Sequence]:
+        """The running sequences not in flight, oldest admission first."""
+        return [s for s in self.running if s not in self.in_flight]
+
+    def _batch_cap(self) -> int:
+        """Most sequences in the next batch: all, or with batches in flight their share, so
+        that the pipeline's batches are about even."""
+        if self.pipeline_depth == 1:
+            return self.max_num_sequence
+        admissible = min(len(self.waiting), self.max_num_sequence - len(self.running))
+        return max(1, -(-(len(self.running) + admissible) // self.pipeline_depth))
 
     def finish(self, seq: Sequence, recycle: bool = True) -> None:
         """Take a finished or aborted sequence out of the queues, offer its KV (and recurrent
         state) to the prefix cache unless not ``recycle``, and free its pages."""
+        self.in_flight.discard(seq)
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
@@ -162,6 +187,7 @@ class Scheduler:
         them); sequences that finished free their pages."""
         for c in batch.chunks:
             seq = c.seq
+            self.in_flight.discard(seq)
             if seq.status is SeqStatus.FINISHED:
                 continue  # aborted while its output was processed; its pages are free
             # A draft model's KV holds the chain it ran (drafters put it first, as nodes 0, 1,
@@ -182,14 +208,14 @@ class Scheduler:
     # -- internals -----------------------------------------------------------------------------
 
     def _has_prefill_work(self) -> bool:
-        return any(not s.is_decoding for s in self.running) or (
+        return any(not s.is_decoding for s in self._ready()) or (
             bool(self.waiting) and len(self.running) < self.max_num_sequence
         )
 
     def _schedule_running(self, decodes: bool, prefills: bool) -> list[ScheduledChunk]:
         """Chunks for running sequences: decodes first claim their token (and draft slots),
         prefills share the rest."""
-        decoding = [s for s in self.running if s.is_decoding] if decodes else []
+        decoding = [s for s in self._ready() if s.is_decoding][:self._cap] if decodes else []
         slots = [0] * len(decoding)
         if self.lookahead and decoding:
             slots = self.lookahead(decoding, prefills and self._has_prefill_work())
@@ -198,15 +224,21 @@ class Scheduler:
         budget = room if prefills else 0
         chunks: list[ScheduledChunk] = []
         i = 0
-        while i < len(self.running):
+        while i < len(self.running) and len(chunks) < self._cap:
             seq = self.running[i]
             is_decode = seq.is_decoding
-            n = (1 if decodes else 0) if is_decode else self.kv.chunk_limit(
+            n = int(seq in self._wishes) if is_decode else self.kv.chunk_limit(
                 seq, min(seq.num_pending, budget))
+            if seq in self.in_flight:
+                n = 0
             if n <= 0:
                 i += 1
                 continue
-            if not self._reserve(seq, n):
+            reserved = self._reserve(seq, n)
+            if reserved is None:  # it waits for sequences in flight to come back
+                i += 1
+                continue
+            if not reserved:
                 continue  # seq preempted itself (it was the newest); nothing left after it
             if not is_decode:
                 budget -= n
@@ -229,21 +261,27 @@ class Scheduler:
             c.num_lookahead = slots
         self._wishes = {}
 
-    def _reserve(self, seq: Sequence, n: int) -> bool:
+    def _reserve(self, seq: Sequence, n: int) -> Optional[bool]:
         """Give ``seq`` pages for ``n`` more tokens, preempting the newest sequences if needed.
 
-        Returns False when ``seq`` had to preempt itself (it was the newest one left).
+        Returns False when ``seq`` had to preempt itself (it was the newest one left), None
+        when it would have to but sequences in flight (never preempted: a batch in flight
+        writes their pages) may give theirs back or be preempted once they are back.
         """
         while not self.kv.allocate(seq, n):
-            victim = self.running[-1]
+            victim = self._ready()[-1]
+            if victim is seq and self.in_flight:
+                return None
             self._preempt(victim)
             if victim is seq:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
+    def _admit_waiting(self, budget: int, room_for: int) -> list[ScheduledChunk]:
+        """Admit waiting sequences, ``room_for`` at most, within ``budget`` tokens."""
         chunks: list[ScheduledChunk] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_sequence:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_sequence
+               and len(chunks) < room_for):
             seq = self.waiting[0]
             if not self.kv.ready(seq):
                 break  # a later choice waits for the first's state (first come, first served)

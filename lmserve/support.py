@@ -14,7 +14,6 @@ from lmserve.config import EngineConfig
 # (field, does this value need an unbuilt feature?, the feature)
 _NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model_lib", lambda v: v is not None, "ahead-of-time compiled model libraries"),
-    ("pipeline_parallel_stages", lambda v: v is not None and v > 1, "pipeline parallelism"),
     ("additional_models", lambda v: any(isinstance(m, tuple) for m in v),
      "compiled libraries of additional models (model_lib)"),
 )

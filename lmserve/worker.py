@@ -25,6 +25,7 @@ from lmserve.models.loader import load_weights
 from lmserve.models.registry import model_class
 from lmserve.parallel.all_reduce import AllReduce
 from lmserve.parallel.shard import TensorShard, check_shardable, shard_args, shard_weights
+from lmserve.parallel.stages import stage_weights
 from lmserve.plan import EnginePlan
 from lmserve.runner import ModelRunner
 
@@ -33,21 +34,25 @@ logger = logging.getLogger("lmserve")
 
 def build_worker(model_path: str, args: ModelArgs, plan: EnginePlan, opt: OptFlags,
                  device: torch.device, shard: Optional[TensorShard] = None,
-                 all_reduce: Optional[AllReduce] = None) -> ModelRunner:
+                 all_reduce: Optional[AllReduce] = None, layers: Optional[range] = None,
+                 head: bool = True) -> ModelRunner:
     """Load the weights of ``model_path`` as ``opt`` asks and build the runner over a KV cache
     of ``plan.num_pages`` pages. ``shard``: this rank's part of a tensor-parallel model, whose
-    partial outputs ``all_reduce`` sums."""
+    partial outputs ``all_reduce`` sums; ``layers``: a pipeline stage's (None: all), with their
+    KV only; ``head``: build the language-model head (the rank that samples)."""
     weight_format = resolve_weight_format(opt.weight_dtype)
     blocks = weight_format not in FLOAT_DTYPES
     weights = load_weights(model_path, keep_blocks=blocks)
+    if layers is not None:
+        weights = stage_weights(weights, layers, layers.start == 0, head)
     if shard is not None:
         check_shardable(args, shard.size, blocks)
         weights = shard_weights(weights, args, shard)
         args = shard_args(args, shard.size)
     act = resolve_act_dtype(opt.act_dtype)
     mlp_act = resolve_act_dtype(opt.mlp_act_dtype) if opt.mlp_act_dtype else act
-    model = model_class(args.architecture)(args, weights, weight_format, act, mlp_act,
-                                           head=shard is None or shard.rank == 0)
+    model = model_class(args.architecture)(args, weights, weight_format, act, mlp_act, head,
+                                           layers)
     del weights
 
     shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
@@ -58,7 +63,7 @@ def build_worker(model_path: str, args: ModelArgs, plan: EnginePlan, opt: OptFla
             logger.warning("kv_dtype=%s is unavailable here (%s); using a %s KV cache", opt.kv_dtype,
                            why_no_int8_kv(shape, plan.page_size), plan.kv_dtype)
         backend = create_backend(resolve_attention(opt.attention, shape, kv_dtype), shape)
-    kv = KVCache(len(args.attention_layers), plan.num_pages, plan.page_size, args.num_kv_heads,
+    kv = KVCache(sum(i in model.layer_ids for i in args.attention_layers), plan.num_pages, plan.page_size, args.num_kv_heads,
                  args.head_dim, kv_dtype, device, backend is not None and backend.keys_transposed)
     states = None
     if plan.state is not None:

@@ -308,6 +308,7 @@ def test_default_config_is_supported():
         {"sliding_window_size": 512},
         {"sliding_window_size": 512, "attention_sink_size": 4},
         {"tensor_parallel_shards": 2},
+        {"pipeline_parallel_stages": 2},
     ],
 )
 def test_built_features_are_supported(kwargs):
@@ -316,7 +317,6 @@ def test_built_features_are_supported(kwargs):
 
 UNBUILT = [
     ({"model_lib": "model.so"}, "model_lib"),
-    ({"pipeline_parallel_stages": 2}, "pipeline_parallel_stages"),
     ({"speculative_mode": "small_draft", "additional_models": [("d", "d.so")]}, "additional_models"),
 ]
 
@@ -331,6 +331,7 @@ def test_unbuilt_features_are_refused_by_name(kwargs, field):
 
 def test_every_unbuilt_feature_is_reported_at_once():
     with pytest.raises(NotImplementedError) as info:
-        check_supported(EngineConfig(model_lib="x.so", pipeline_parallel_stages=4))
+        check_supported(EngineConfig(model_lib="x.so", additional_models=[("d", "d.so")],
+                                     speculative_mode="small_draft"))
     assert "model_lib='x.so'" in str(info.value)
-    assert "pipeline_parallel_stages=4" in str(info.value)
+    assert "additional_models=[('d', 'd.so')]" in str(info.value)

@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch.distributed
 
 from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
@@ -48,6 +49,7 @@ def run(core: EngineCore, prompts, max_tokens=12, abort_after=None):
         if steps == abort_after:
             for request_id in list(core.requests):
                 core.abort_request(request_id)
+            abort_after = None  # (batches in flight still finish)
             continue
         for out in core.step():
             for d in out.deltas:
@@ -59,7 +61,8 @@ def run(core: EngineCore, prompts, max_tokens=12, abort_after=None):
 
 def both(config: EngineConfig, fn):
     """``fn(core)`` on one process and on the parallel engine ``config`` asks for."""
-    one = EngineCore(EngineConfig(**{**config.__dict__, "tensor_parallel_shards": None}))
+    one = EngineCore(dataclasses.replace(config, tensor_parallel_shards=None,
+                                         pipeline_parallel_stages=None))
     expected = fn(one)
     parallel = EngineCore(config)
     try:
@@ -138,23 +141,25 @@ def test_tensor_parallel_greedy_matches_one_process_at_the_default_level(q41_eng
     assert_same_greedy(run(one, PROMPTS), run(parallel, PROMPTS), tolerance=0.05)
 
 
+def preemption_prefix_and_aborts(core: EngineCore):
+    """A run with preemptions (a small KV cache), one with prefix-cache hits, one aborted
+    mid-run (no page held after it), then one more: their tokens, and whether any preempted."""
+    shared = list(range(100, 134))  # two pages of prefix, cached by the first round
+    prompts = [shared + [i] for i in range(4)]
+    preempted = core.scheduler.num_preemptions
+    first = run(core, prompts, max_tokens=20)[0]
+    hits = core.scheduler.prefix_hit_tokens
+    second = run(core, prompts[:2], max_tokens=20)[0]
+    assert core.scheduler.prefix_hit_tokens > hits
+    run(core, PROMPTS, max_tokens=20, abort_after=3)
+    assert core.pages_held_by_requests() == 0
+    return first, second, run(core, PROMPTS[:1])[0], core.scheduler.num_preemptions > preempted
+
+
 def test_tensor_parallel_preemption_prefix_cache_and_aborts(q41_engines):
     """Preempted and prefix-cached sequences come out as in one process; aborts mid-run leave no
     page held, and the ranks keep serving in step."""
-    shared = list(range(100, 134))  # two pages of prefix, cached by the first round
-    prompts = [shared + [i] for i in range(4)]
-
-    def scenario(core):
-        preempted = core.scheduler.num_preemptions
-        first = run(core, prompts, max_tokens=20)[0]
-        hits = core.scheduler.prefix_hit_tokens
-        second = run(core, prompts[:2], max_tokens=20)[0]
-        assert core.scheduler.prefix_hit_tokens > hits
-        run(core, PROMPTS, max_tokens=20, abort_after=3)
-        assert core.pages_held_by_requests() == 0
-        return first, second, run(core, PROMPTS[:1])[0], core.scheduler.num_preemptions > preempted
-
-    expected, got = (scenario(core) for core in q41_engines)
+    expected, got = (preemption_prefix_and_aborts(core) for core in q41_engines)
     assert got == expected and got[3]
 
 
@@ -289,3 +294,4 @@ def test_hosts_that_disagree_are_refused_before_serving(tiny_q41, tmp_path, monk
     finally:
         node1.kill()
     assert "the ranks do not agree" in (tmp_path / "node1.log").read_text()
+    assert not torch.distributed.is_initialized()  # the refusal leaves room for another engine

@@ -138,17 +138,22 @@ def _command_ranks(tmp_path, timeout_s: float = 10.0):
     return [ShmCommands(path, r, 2, timeout_s, mailbox) for r in range(2)]
 
 
+def through(send, receive, items: list) -> list:
+    """``items`` sent one by one while a thread receives as many: what it received."""
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(receive() for _ in items))
+    reader.start()
+    for item in items:
+        send(item)
+    reader.join(30)
+    return got
+
+
 @needs_shm
 def test_shm_commands_arrive_in_order_and_large_ones_over_gloo(tmp_path):
     sender, receiver = _command_ranks(tmp_path)
     sent = [b"step 1", bytes(range(256)) * (COMMAND_BYTES // 256 + 1), b"", b"step 4"]
-    got = []
-    reader = threading.Thread(target=lambda: got.extend(receiver.receive() for _ in sent))
-    reader.start()
-    for data in sent:
-        sender.send(data)
-    reader.join(30)
-    assert got == sent
+    assert through(sender.send, receiver.receive, sent) == sent
 
 
 @needs_shm

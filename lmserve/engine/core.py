@@ -7,7 +7,8 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from collections import deque
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -103,10 +104,14 @@ class EngineCore:
                 self.runner.feature_layers = self.speculator.feature_layers
             self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
                                        config.prefill_mode,
-                                       self.speculator.lookahead if self.speculator else None)
+                                       self.speculator.lookahead if self.speculator else None,
+                                       config.pipeline_parallel_stages or 1)
             self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
             self.grammars = GrammarCompiler(self.tokenizer, self.args.vocab_size)
             self.requests: dict[str, Request] = {}
+            # Batches started and not finished: (batch, its logits when ready, start time).
+            self.pipeline_depth = config.pipeline_parallel_stages or 1
+            self.in_flight: deque[tuple[Batch, Callable[[], torch.Tensor], float]] = deque()
             self.counters = _Counters()
             if self.group is not None:  # every rank is built, and this one is ready for steps
                 self.group.barrier()
@@ -177,7 +182,7 @@ class EngineCore:
         return RequestOutput(request_id, req.prompt_token_ids, deltas, finished=True)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.in_flight)
 
     def pages_held_by_requests(self) -> int:
         """KV pages some request holds (pages only the prefix cache holds do not count)."""
@@ -228,18 +233,35 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, sample, append, update: one forward pass over the next batch;
         returns each touched request's news. Sequences advance (and offer tokens to the prefix
-        cache) only in ``update``, after their new tokens are known."""
-        started = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if batch is None:
+        cache) only in ``update``, after their new tokens are known.
+
+        With pipeline stages, up to one batch per stage is in flight: a step starts batches
+        (of sequences not in flight) until the pipeline is full, then finishes the oldest."""
+        while len(self.in_flight) < self.pipeline_depth:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                break
+            self.in_flight.append(self._start(batch))
+        if not self.in_flight:
             return []
+        batch, logits, started = self.in_flight.popleft()
+        return self._finish(batch, logits(), started)
+
+    def _start(self, batch: Batch) -> tuple[Batch, Callable[[], torch.Tensor], float]:
+        """Draft for the batch and start its forward pass (see ``ParallelRunner.submit``)."""
+        started = time.perf_counter()
         now = time.monotonic()
         for chunk in batch.chunks:
             if chunk.seq.request.first_scheduled_time is None:
                 chunk.seq.request.first_scheduled_time = now
         if self.speculator is not None:
             self.speculator.propose(batch)
-        logits = self.runner.execute(batch.step_input())
+        return batch, self.runner.submit(batch.step_input()), started
+
+    def _finish(self, batch: Batch, logits: torch.Tensor, started: float) -> list[RequestOutput]:
+        """Sample, append and update for a batch whose logits are in."""
+        if any(c.seq.status is SeqStatus.FINISHED for c in batch.chunks):
+            batch, logits = _without_aborted(batch, logits)
         new_tokens = self._sample(batch, logits)
         if self.runner.feature_layers is not None:
             self._observe(batch)
@@ -255,6 +277,8 @@ class EngineCore:
         """Stop the other ranks of a parallel engine (``kill``: at once, after a failure);
         nothing to do for one process."""
         if self.group is not None:
+            if hasattr(self, "runner"):
+                self.runner.close()
             self.group.close(kill)
             self.group = None
 
@@ -376,6 +400,19 @@ class EngineCore:
             else:
                 self.counters.prefill_tokens += c.num_tokens
         self.counters.steps += 1
+
+
+def _without_aborted(batch: Batch, logits: torch.Tensor) -> tuple[Batch, torch.Tensor]:
+    """The batch and its logit rows without the sequences aborted while it was in flight
+    (their pages are already free)."""
+    chunks, rows, row = [], [], 0
+    for c in batch.chunks:
+        n = 1 + len(c.draft) if c.samples else 0
+        if c.seq.status is not SeqStatus.FINISHED:
+            chunks.append(c)
+            rows += range(row, row + n)
+        row += n
+    return Batch(chunks, batch.state_copies), logits[rows]
 
 
 class _NewTokens(NamedTuple):

@@ -182,24 +182,31 @@ class LlamaModel:
     """The whole decoder: embedding, layers, final norm and the language-model head."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, Weight], weight_format: str,
-                 act_dtype: str, mlp_act_dtype: Optional[str] = None, head: bool = True):
+                 act_dtype: str, mlp_act_dtype: Optional[str] = None, head: bool = True,
+                 layers: Optional[range] = None):
         """``weight_format``: how matmul weights are held, see ``make_linear``; ``act_dtype``:
         activations entering the attention projections and the head (float32, bfloat16, int8);
         ``mlp_act_dtype``: entering the MLP (None: act_dtype); ``head``: build the
-        language-model head (not on a tensor-parallel rank that never samples)."""
+        language-model head (not on a parallel rank that never samples); ``layers``: a
+        pipeline stage's (None: all), whose KV and state are then the stage's own."""
         self.args = args
         self.dtype = ACT_TENSOR_DTYPES[act_dtype]
-        embed = weights["model.embed_tokens.weight"]
-        dense_embed = embed.dequantize() if isinstance(embed, BlockWeight) else embed
-        self.embed = dense_embed.to(self.dtype)  # (V, D), looked up by token id
+        self.layer_ids = range(args.num_layers) if layers is None else layers
+        self.first = self.layer_ids.start == 0  # embeds the tokens
+        self.last = self.layer_ids.stop == args.num_layers  # ends with the final norm
+        embed = weights.get("model.embed_tokens.weight")
+        if embed is not None:
+            dense_embed = embed.dequantize() if isinstance(embed, BlockWeight) else embed
+            self.embed = dense_embed.to(self.dtype)  # (V, D), looked up by token id
         mlp_act = mlp_act_dtype or act_dtype
         attention, recurrent = args.attention_layers, args.ssm_layers
+        before = self.layer_ids.start  # layers of earlier stages: not in this one's KV and state
         self.layers: list[Union[LlamaLayer, MixerLayer]] = [
             MixerLayer(args, weights, f"model.layers.{i}.", weight_format, act_dtype, mlp_act,
-                       recurrent.index(i)) if i in recurrent else
+                       recurrent.index(i) - sum(r < before for r in recurrent)) if i in recurrent else
             LlamaLayer(args, weights, f"model.layers.{i}.", weight_format, act_dtype, mlp_act,
-                       attention.index(i))
-            for i in range(args.num_layers)
+                       attention.index(i) - sum(a < before for a in attention))
+            for i in self.layer_ids
         ]
         self.norm = weights["model.norm.weight"].float()
         self.lm_head = None
@@ -239,9 +246,13 @@ class LlamaModel:
                                a.rotary_dim)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states ``(T, D)`` after the final norm for the flat batch ``input_ids (T,)``."""
-        x = self.embed[input_ids].float()  # (T, D) float32 residual stream, updated in place
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Hidden states ``(T, D)`` after the final norm for the flat batch ``input_ids (T,)``;
+        a pipeline stage's: from the previous stage's ``residual`` (not the first stage), and
+        the float32 residual stream after its layers (not the last stage)."""
+        # (T, D) float32 residual stream, updated in place
+        x = self.embed[input_ids].float() if residual is None else residual
         if ctx.layer_calls is not None and not ctx.capture:
             delta = ctx.layer_calls.run(x, ctx)
         else:
@@ -250,6 +261,8 @@ class LlamaModel:
                 if i in ctx.capture:
                     ctx.captured[i] = x.clone() if delta is None else x + delta.float()
                 delta = layer(x, delta, ctx, i)
+        if not self.last:  # what the next stage's first norm would add, as the fused ops add it
+            return x.add_(delta.float())
         return ctx.ops.add_rms_norm(x, delta, self.norm, self.args.rms_norm_eps, self.dtype)
 
     @torch.inference_mode()

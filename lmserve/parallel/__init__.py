@@ -1,7 +1,8 @@
-"""Tensor parallelism: a model's layers split across processes on torch.distributed (gloo).
+"""Tensor and pipeline parallelism: a model split across processes on torch.distributed (gloo).
 
-``shard`` (what each rank holds), ``all_reduce`` (shared memory on one host, gloo across hosts),
+``shard`` (each tensor-parallel rank's part of a layer), ``stages`` (each pipeline stage's
+layers), ``all_reduce`` and ``channels`` (shared memory on one host, gloo across hosts),
 ``placement`` (which rank a process is, and its cores), ``group`` (starting and joining the
-ranks, rank 0's commands, failures), ``driver`` (rank 0's runner), ``rank`` (the other ranks'
-loop) and ``rank_main`` (their entry point). See docs/parallel.md.
+ranks, rank 0's commands, failures), ``driver`` (rank 0's runner), ``rank`` (a rank's part of
+a step, the other ranks' loop) and ``rank_main`` (their entry point). See docs/parallel.md.
 """

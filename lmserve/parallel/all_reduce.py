@@ -64,13 +64,15 @@ def shm_available() -> bool:
 
 
 class ShmAllReduce:
-    """Sum over the ranks of one host through the segment file ``path`` (``create_segment``)."""
+    """Sum over the ranks of one host through the segment file ``path`` (``create_segment``):
+    ``world`` ranks, this one the ``rank``-th; the group's ranks are ``first`` onwards."""
 
-    def __init__(self, path: str, rank: int, world: int, timeout_s: float) -> None:
+    def __init__(self, path: str, rank: int, world: int, timeout_s: float, first: int = 0) -> None:
         self.lib = shm_library()
         if self.lib is None:
             raise RuntimeError("the C++ shared-memory all-reduce is not available on this machine")
         self.rank, self.world, self.timeout_ms = rank, world, int(timeout_s * 1000)
+        self.first = first
         self.map, self.address = map_segment(path, segment_bytes(world))
 
     def __call__(self, t: torch.Tensor) -> None:
@@ -89,16 +91,17 @@ class ShmAllReduce:
     def failed_rank(self) -> Optional[int]:
         """The rank a collective gave up waiting for (or that the watchdog saw die), or None."""
         word = struct.unpack_from("<i", self.map, 0)[0]
-        return word - 1 if word else None
+        return self.first + word - 1 if word else None
 
     def seconds(self) -> float:
         """Time this rank has spent in all-reduces, waiting for the others included."""
         return struct.unpack_from("<q", self.map, _LINE * (1 + self.rank) + 8)[0] / 1e9
 
     def fail(self, rank: int) -> None:
-        """Make every rank's waits end: ``rank`` is gone (called by the watchdog)."""
+        """Make every rank's waits end: ``rank``, one of the group's, is gone (called by the
+        watchdog)."""
         if not struct.unpack_from("<i", self.map, 0)[0]:
-            struct.pack_into("<i", self.map, 0, rank + 1)
+            struct.pack_into("<i", self.map, 0, rank - self.first + 1)
 
 
 class GlooAllReduce:

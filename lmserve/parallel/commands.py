@@ -21,7 +21,7 @@ import ctypes
 import os
 import struct
 import time
-from typing import Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -79,13 +79,15 @@ class ShmCommands:
 
     needs_keep_alive = False
 
-    def __init__(self, path: str, rank: int, world: int, timeout_s: float, gloo: GlooCommands) -> None:
+    def __init__(self, path: str, rank: int, world: int, timeout_s: float, gloo: GlooCommands,
+                 lost: Callable[[], Optional[str]] = lambda: None) -> None:
         lib = shm_library()
         lib.lm_shm_wait_above.restype = ctypes.c_int64
         lib.lm_shm_wait_above.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.lm_shm_publish.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self.lib, self.gloo = lib, gloo
-        self.rank, self.world, self.timeout_ns = rank, world, int(timeout_s * 1e9)
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.lost = lost  # why the group is known to be gone (rank 0's watchdog), or None
         self.map, self.base = map_segment(path, command_segment_bytes(world))
         self.payload = _LINE * (1 + world)
         self.seq = 0  # the last command sent (rank 0) or taken (the others)
@@ -97,8 +99,10 @@ class ShmCommands:
 
     def send(self, data: bytes) -> None:
         for rank in range(1, self.world):  # everyone has taken the previous command
-            if self.lib.lm_shm_wait_above(self._taken(rank), self.seq - 1, self.timeout_ns) < self.seq:
-                raise RankLost(rank)
+            deadline = time.monotonic() + self.timeout_s
+            while self.lib.lm_shm_wait_above(self._taken(rank), self.seq - 1, _SPIN_NS) < self.seq:
+                if self.lost() is not None or time.monotonic() > deadline:
+                    raise RankLost(rank)
         fits = len(data) <= COMMAND_BYTES
         if fits:
             self.map[self.payload:self.payload + len(data)] = data

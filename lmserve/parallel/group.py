@@ -5,11 +5,12 @@ Two timeouts:
 
 - start-up (``LMSERVE_START_TIMEOUT_S``, 300 s: loading takes a while), on the default group;
 - every wait after that (``LMSERVE_COLLECTIVE_TIMEOUT_S``, 30 s): for a rank to take rank 0's
-  next command (``parallel.commands``), and for the ranks to meet in an all-reduce, which
-  they do within every layer. A rank that has not come for that long is dead or hung.
+  next command (``parallel.commands``), for the ranks of a stage to meet in an all-reduce,
+  which they do within every layer, and for the previous pipeline stage's output
+  (``parallel.channels``). A rank that has not come for that long is dead or hung.
 
-On one host both go through shared memory (``ShmCommands``, ``ShmAllReduce``), and a
-watchdog thread ends every wait as soon as a started rank's process exits.
+On one host all go through shared memory (``ShmCommands``, ``ShmAllReduce``, ``ShmChannel``),
+and a watchdog thread ends rank 0's waits as soon as a started rank's process exits.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.loader import resolve_model_path
 from lmserve.parallel.all_reduce import (AllReduce, GlooAllReduce, ShmAllReduce, create_segment,
                                          segment_bytes, shm_available)
+from lmserve.parallel.channels import Channel, GlooChannel, ShmChannel, channel_segment_bytes
 from lmserve.parallel.commands import (Commands, GlooCommands, RankLost, ShmCommands,
                                        command_segment_bytes)
 from lmserve.parallel.placement import Placement, pin, placement
@@ -74,14 +76,18 @@ class ParallelGroup:
     """This process's view of the ranks: ``start`` on the process that starts its host's
     ranks, then ``join`` on every rank."""
 
-    def __init__(self, place: Placement, tensor: int, all_reduce: AllReduce, commands: Commands,
-                 timeout: float) -> None:
+    def __init__(self, place: Placement, tensor: int, stages: int, all_reduce: Optional[AllReduce],
+                 commands: Commands, timeout: float) -> None:
         self.place = place
         self.timeout = timeout  # of every collective, in seconds
         self.rank = place.rank
         self.tensor = tensor  # ranks each layer is split across
-        self.all_reduce = all_reduce
+        self.stages = stages  # pipeline stages, each a range of layers on ``tensor`` ranks
+        self.stage = place.rank // tensor
+        self.all_reduce = all_reduce  # of this rank's stage (None: its layers are not split)
         self.commands = commands
+        # This rank's ends of the pipeline's channels, by (sending rank, receiving rank).
+        self.links: dict[tuple[int, int], Channel] = {}
         self.children: dict[int, subprocess.Popen] = {}
         self.lost: Optional[str] = None  # what the watchdog saw
         self.last_send = time.monotonic()
@@ -124,36 +130,68 @@ class ParallelGroup:
 
     @staticmethod
     def join(place: Placement, config: EngineConfig) -> ParallelGroup:
-        """Meet the other ranks, agree on what is served, and set up the all-reduce."""
+        """Meet the other ranks, agree on what is served, and set up the all-reduce of each
+        stage's ranks and the channels between the stages."""
         dist.init_process_group("gloo", init_method=place.init_method, rank=place.rank,
                                 world_size=place.world,
                                 timeout=datetime.timedelta(seconds=start_timeout_s()))
+        try:
+            return ParallelGroup._meet(place, config)
+        except BaseException:
+            dist.destroy_process_group()  # (a refused start leaves the process free for another)
+            raise
+
+    @staticmethod
+    def _meet(place: Placement, config: EngineConfig) -> ParallelGroup:
+        """``join`` once the default group is up."""
         _check_agreement(config, place.rank)
         timeout = collective_timeout_s()
         collective = datetime.timedelta(seconds=timeout)
         gloo = GlooCommands(dist.new_group(backend="gloo", timeout=collective), place.world)
         tensor = config.tensor_parallel_shards or 1
+        stages = config.pipeline_parallel_stages or 1
+        stage = place.rank // tensor
+        group = ParallelGroup(place, tensor, stages, None, gloo, timeout)
+        links = pipeline_links(stages, tensor)
         # The ranks of one host meet in shared memory (LMSERVE_TRANSPORT=gloo: over gloo, as
         # across hosts, which benchmarks/parallel.py compares).
         if place.one_host and shm_available() and os.environ.get("LMSERVE_TRANSPORT") != "gloo":
-            paths = [f"/dev/shm/lmserve-{kind}-{place.master_port}" for kind in ("all-reduce", "commands")]
+            prefix = f"/dev/shm/lmserve-{place.master_port}"
+            reduce_paths = [f"{prefix}-all-reduce-{s}" for s in range(stages)] if tensor > 1 else []
+            link_paths = {link: f"{prefix}-link-{link[0]}-{link[1]}" for link in links}
+            segments = [(path, segment_bytes(tensor)) for path in reduce_paths] + [
+                (path, channel_segment_bytes()) for path in link_paths.values()] + [
+                (f"{prefix}-commands", command_segment_bytes(place.world))]
             if place.rank == 0:
-                for path, size in zip(paths, (segment_bytes(place.world),
-                                              command_segment_bytes(place.world))):
+                for path, size in segments:
                     if os.path.exists(path):  # left by an engine that was killed on this port
                         os.unlink(path)
                     create_segment(path, size)
             dist.barrier()
-            all_reduce: AllReduce = ShmAllReduce(paths[0], place.rank, place.world, timeout)
-            commands: Commands = ShmCommands(paths[1], place.rank, place.world, timeout, gloo)
+            if tensor > 1:
+                group.all_reduce = ShmAllReduce(reduce_paths[stage], place.rank % tensor, tensor,
+                                                timeout, stage * tensor)
+            group.commands = ShmCommands(segments[-1][0], place.rank, place.world, timeout, gloo,
+                                         lambda: group.lost)
+            group.links = {link: ShmChannel(path, link[0] + link[1] - place.rank, timeout,
+                                            lambda: group.lost)
+                           for link, path in link_paths.items() if place.rank in link}
             dist.barrier()
             if place.rank == 0:
-                for path in paths:
+                for path, _ in segments:
                     os.unlink(path)  # mapped by every rank: nothing is left behind, however they end
         else:
-            all_reduce = GlooAllReduce(dist.new_group(backend="gloo", timeout=collective))
-            commands = gloo
-        return ParallelGroup(place, tensor, all_reduce, commands, timeout)
+            # Every rank makes every group, in the same order (torch.distributed's rule).
+            stage_groups = [dist.new_group(list(range(s * tensor, (s + 1) * tensor)),
+                                           backend="gloo", timeout=collective)
+                            for s in range(stages)] if tensor > 1 else []
+            if stage_groups:
+                group.all_reduce = GlooAllReduce(stage_groups[stage])
+            if links:
+                pipe = dist.new_group(backend="gloo", timeout=collective)
+                group.links = {link: GlooChannel(pipe, link[0] + link[1] - place.rank)
+                               for link in links if place.rank in link}
+        return group
 
     # -- commands from rank 0 -------------------------------------------------------------------
 
@@ -177,23 +215,27 @@ class ParallelGroup:
         if self.commands.needs_keep_alive and time.monotonic() - self.last_send >= 1.0:
             self.send(("noop",))
 
+    def channel_seconds(self) -> float:
+        """This rank's time in the pipeline's channels (benchmarks/parallel.py)."""
+        return sum(link.seconds for link in self.links.values())
+
     def barrier(self) -> None:
         dist.barrier()
 
     def describe(self) -> str:
         """This rank's place, for the start-up log."""
         shm = isinstance(self.commands, ShmCommands)
-        return (f"rank {self.rank} of {self.place.world} on {self.place.nnodes} host(s), layers "
-                f"split {self.tensor} ways, cores {sorted(os.sched_getaffinity(0))} with "
-                f"{torch.get_num_threads()} thread(s), steps and all-reduces through "
+        stage = f"stage {self.stage} of {self.stages}, " if self.stages > 1 else ""
+        return (f"rank {self.rank} of {self.place.world} on {self.place.nnodes} host(s), {stage}"
+                f"layers split {self.tensor} ways, cores {sorted(os.sched_getaffinity(0))} with "
+                f"{torch.get_num_threads()} thread(s), steps, all-reduces and activations through "
                 f"{'shared memory' if shm else 'gloo'}")
 
     # -- failures -------------------------------------------------------------------------------
 
     def check(self) -> None:
         """Raise ``ParallelFailure`` if the last collective gave up on a rank."""
-        rank = self.all_reduce.failed_rank()
-        if rank is not None or self.lost:
+        if self.lost or (self.all_reduce is not None and self.all_reduce.failed_rank() is not None):
             raise self.failure(None)
 
     def failure(self, err: Optional[BaseException], rank: Optional[int] = None) -> ParallelFailure:
@@ -201,7 +243,7 @@ class ParallelGroup:
         (``rank``: the one a send to failed)."""
         if self.lost:
             return ParallelFailure(self.lost)
-        waited = self.all_reduce.failed_rank()
+        waited = self.all_reduce and self.all_reduce.failed_rank()
         if waited is not None:
             return ParallelFailure(f"rank {waited} did not reach an all-reduce within "
                                    f"{self.timeout:g} s (LMSERVE_COLLECTIVE_TIMEOUT_S): "
@@ -219,7 +261,7 @@ class ParallelGroup:
                 if code is not None:
                     self.lost = f"rank {rank} (pid {child.pid}) exited with code {code}"
                     logger.error("parallel engine: %s", self.lost)
-                    if isinstance(self.all_reduce, ShmAllReduce):
+                    if isinstance(self.all_reduce, ShmAllReduce) and rank // self.tensor == self.stage:
                         self.all_reduce.fail(rank)
                     return
 
@@ -246,6 +288,16 @@ class ParallelGroup:
         if self._unpinned is not None:
             _unpin(*self._unpinned)
             self._unpinned = None
+
+
+def pipeline_links(stages: int, tensor: int) -> list[tuple[int, int]]:
+    """The pipeline's channels as (sending rank, receiving rank): each stage's ranks to their
+    counterparts in the next stage (each holds the whole residual stream), and the last stage's
+    first rank back to rank 0, which samples."""
+    if stages == 1:
+        return []
+    forward = [(s * tensor + t, (s + 1) * tensor + t) for s in range(stages - 1) for t in range(tensor)]
+    return forward + [((stages - 1) * tensor, 0)]
 
 
 def _unpin(cores: set[int], threads: int) -> None:

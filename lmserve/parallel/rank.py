@@ -1,17 +1,25 @@
 """What a rank other than 0 does: build its part of the model, then run what rank 0 sends, step
-by step, until told to stop (``serve_rank``). Rank 0 builds its part with ``build_rank`` too."""
+by step, until told to stop (``serve_rank``). Rank 0 builds its part with ``build_rank`` too.
+
+A rank's part is its stage's layers (``plan.stage_layers``; all of them without pipeline
+stages), split ``group.tensor`` ways. A step's input comes from rank 0's command and, past the
+first stage, the previous stage's residual stream; its output goes on to the next stage, or
+(from the last stage's first rank) back to rank 0 as the final hidden rows."""
 
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.loader import read_model_args, resolve_model_path
+from lmserve.parallel.commands import RankLost
 from lmserve.parallel.group import ParallelGroup
 from lmserve.parallel.shard import TensorShard
 from lmserve.runner import ModelRunner
+from lmserve.step import StepInput
 from lmserve.worker import build_worker
 
 logger = logging.getLogger("lmserve")
@@ -20,9 +28,25 @@ logger = logging.getLogger("lmserve")
 def build_rank(config: EngineConfig, plan, group: ParallelGroup) -> ModelRunner:
     """This rank's part of the model over the plan's KV pages (rank 0 calls it too)."""
     path = resolve_model_path(config.model)
-    shard = TensorShard(group.rank % group.tensor, group.tensor)
+    shard = TensorShard(group.rank % group.tensor, group.tensor) if group.tensor > 1 else None
+    layers = plan.stage_layers[group.stage] if plan.stage_layers else None
     return build_worker(path, read_model_args(path), plan, parse_opt(config.opt),
-                        torch.device("cpu"), shard, group.all_reduce)
+                        torch.device("cpu"), shard, group.all_reduce, layers, head=group.rank == 0)
+
+
+def run_stage(runner: ModelRunner, group: ParallelGroup, step: StepInput) -> Optional[torch.Tensor]:
+    """Run this rank's part of ``step``: take the previous stage's residual stream, pass the
+    output on; returns it where it goes nowhere (one stage: the hidden rows; rank 0's, which
+    it sends on itself)."""
+    residual = None
+    if group.stage > 0:
+        residual = group.links[(group.rank - group.tensor, group.rank)].receive()
+    out = runner.execute(step, logits=False, residual=residual)
+    if group.stage < group.stages - 1:
+        group.links[(group.rank, group.rank + group.tensor)].send(out)
+    elif group.stages > 1 and group.rank % group.tensor == 0:
+        group.links[(group.rank, 0)].send(out)
+    return out
 
 
 def serve_rank(config: EngineConfig, group: ParallelGroup) -> int:
@@ -40,7 +64,11 @@ def serve_rank(config: EngineConfig, group: ParallelGroup) -> int:
         kind = command[0]
         if kind == "step":
             try:
-                runner.execute(command[1], logits=False)
+                run_stage(runner, group, command[1])
+            except RankLost as lost:
+                logger.error("rank %d: rank %d did not answer within %g s; exiting", group.rank,
+                             lost.rank, group.timeout)
+                return 1
             except RuntimeError as err:  # gloo's all-reduce gave up on a rank
                 logger.error("rank %d: %s; exiting", group.rank, group.failure(err))
                 return 1
@@ -52,7 +80,7 @@ def serve_rank(config: EngineConfig, group: ParallelGroup) -> int:
         elif kind == "stop":
             group.close()
             return 0
-        if group.all_reduce.failed_rank() is not None:
+        if group.all_reduce is not None and group.all_reduce.failed_rank() is not None:
             logger.error("rank %d: %s; exiting", group.rank, group.failure(None))
             return 1
 

@@ -60,6 +60,7 @@ class EagleModel:
         """``target``: the target's ``LlamaModel`` (its embedding and head are shared)."""
         self.args, self.version, self.target = heads.args, heads.version, target
         self.aux_layers = heads.aux_layers  # the target's features it reads (see EagleHeads)
+        self.layer_ids = range(self.args.num_layers)  # (the runner's view of its layers)
         t = heads.tensors
         self.fc = make_linear([t["fc.weight"]], t.get("fc.bias"), "float32")
         attn = "layer.self_attn."
