@@ -47,6 +47,15 @@ def test_two_stages_of_two_ranks_over_gloo_match_one_process_at_O0_with_draft_tr
         staged.close()
 
 
+def test_two_stages_give_one_process_bits_at_O0(tmp_path):
+    """PP=2 alone, in shared memory: each stage runs the same float32 ops on the same rows as
+    one process, so tokens and logprobs are equal."""
+    model = make_hf_llama(str(tmp_path / "model"), num_layers=2, seed=4)
+    config = EngineConfig(model=model, opt="O0", pipeline_parallel_stages=2, verbose=False)
+    expected, got = both(config, lambda c: run(c, PROMPTS))
+    assert_same_greedy(expected, got, tolerance=1e-6)
+
+
 def test_two_stages_of_two_ranks_match_one_process_at_the_default_level(tiny_q41):
     """TP=2 x PP=2 in shared memory, with a sliding window and sinks on every stage and a draft
     model on rank 0; the tensor-parallel all-reduce rounds bf16 partial sums, so logprobs within
