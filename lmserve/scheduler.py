@@ -159,7 +159,7 @@ class Scheduler:
 
     def _ready(self) -> list[Sequence]:
         """The running sequences not in flight, oldest admission first."""
-        return [s for s in self.running if s not in self.in_flight]
+        return [s for s in self.running if s not in self.in_flight] if self.in_flight else self.running
 
     def _batch_cap(self) -> int:
         """Most sequences in the next batch: all, or with batches in flight their share, so

@@ -110,7 +110,6 @@ class EngineCore:
             self.grammars = GrammarCompiler(self.tokenizer, self.args.vocab_size)
             self.requests: dict[str, Request] = {}
             # Batches started and not finished: (batch, its logits when ready, start time).
-            self.pipeline_depth = config.pipeline_parallel_stages or 1
             self.in_flight: deque[tuple[Batch, Callable[[], torch.Tensor], float]] = deque()
             self.counters = _Counters()
             if self.group is not None:  # every rank is built, and this one is ready for steps
@@ -237,7 +236,7 @@ class EngineCore:
 
         With pipeline stages, up to one batch per stage is in flight: a step starts batches
         (of sequences not in flight) until the pipeline is full, then finishes the oldest."""
-        while len(self.in_flight) < self.pipeline_depth:
+        while len(self.in_flight) < self.scheduler.pipeline_depth:
             batch = self.scheduler.schedule()
             if batch is None:
                 break
@@ -277,7 +276,7 @@ class EngineCore:
         """Stop the other ranks of a parallel engine (``kill``: at once, after a failure);
         nothing to do for one process."""
         if self.group is not None:
-            if hasattr(self, "runner"):
+            if getattr(self, "runner", None) is not None:  # (None yet if the build failed)
                 self.runner.close()
             self.group.close(kill)
             self.group = None

@@ -9,8 +9,6 @@ first stage, the previous stage's residual stream; its output goes on to the nex
 from __future__ import annotations
 
 import logging
-from typing import Optional
-
 import torch
 
 from lmserve.config import EngineConfig, parse_opt
@@ -34,10 +32,10 @@ def build_rank(config: EngineConfig, plan, group: ParallelGroup) -> ModelRunner:
                         torch.device("cpu"), shard, group.all_reduce, layers, head=group.rank == 0)
 
 
-def run_stage(runner: ModelRunner, group: ParallelGroup, step: StepInput) -> Optional[torch.Tensor]:
-    """Run this rank's part of ``step``: take the previous stage's residual stream, pass the
-    output on; returns it where it goes nowhere (one stage: the hidden rows; rank 0's, which
-    it sends on itself)."""
+def run_stage(runner: ModelRunner, group: ParallelGroup, step: StepInput) -> None:
+    """Run this rank's part of ``step``: take the previous stage's residual stream (past the
+    first stage) and pass the output on (to the next stage, or from the last stage's first rank
+    back to rank 0)."""
     residual = None
     if group.stage > 0:
         residual = group.links[(group.rank - group.tensor, group.rank)].receive()
@@ -46,7 +44,6 @@ def run_stage(runner: ModelRunner, group: ParallelGroup, step: StepInput) -> Opt
         group.links[(group.rank, group.rank + group.tensor)].send(out)
     elif group.stages > 1 and group.rank % group.tensor == 0:
         group.links[(group.rank, 0)].send(out)
-    return out
 
 
 def serve_rank(config: EngineConfig, group: ParallelGroup) -> int:
