@@ -5,6 +5,7 @@ Subcommands:
     ``lmserve serve``: an OpenAI-compatible HTTP server (see ``lmserve.server`` and docs/server.md).
     ``lmserve bench``: a serving benchmark against such a server (see ``lmserve.bench``).
     ``lmserve plan``: the engine's batch, KV and memory plan, without loading the weights.
+    ``lmserve compile``: a model library, served with ``--model-lib`` (see ``lmserve.library``).
 
 Every subcommand that starts an engine takes one flag per ``EngineConfig`` field, generated from
 the dataclass by ``add_engine_args`` and read back by ``engine_config_from_args``, so a new
@@ -20,6 +21,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import (  # noqa: UP035  (Tuple: EngineConfig's spelling, which == must match)
     Any,
@@ -179,7 +181,7 @@ def _add_generation_config(parser: argparse.ArgumentParser) -> None:
 def _load(engine_class: type[_E], config: EngineConfig, parser: argparse.ArgumentParser,
           generation_config: str = "auto") -> _E:
     """Load the engine; a model or config it cannot serve ends the command (status 1)."""
-    print(f"loading {config.model or 'the built-in model'}...", file=sys.stderr, flush=True)
+    print(f"loading {config.model_lib or config.model or 'the built-in model'}...", file=sys.stderr, flush=True)
     try:
         return engine_class(config=config, generation_config=generation_config)
     except (NotImplementedError, OSError, ValueError) as err:
@@ -236,6 +238,14 @@ def _run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     except ValueError as err:
         parser.error(str(err))
     _place_hosts(args)
+    if config.model_lib is not None:  # the library's parallel split decides the ranks
+        from lmserve.library.library import ModelLibrary
+
+        try:
+            config = ModelLibrary.open(config.model_lib, config.model).apply(config)
+        except (OSError, ValueError) as err:
+            print(f"{parser.prog}: error: {err}", file=sys.stderr)
+            return 1
     from lmserve.parallel.group import world_size
     from lmserve.parallel.placement import placement
 
@@ -348,22 +358,25 @@ def _add_serve(commands: Any) -> None:
 def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = _config(args, parser)
     # Reads the model's hyper-parameters only: no weights are loaded.
-    from lmserve.models.loader import read_model_args, resolve_model_path
-    from lmserve.generation_defaults import read_generation_defaults
+    from lmserve.models.source import open_model
     from lmserve.plan import make_plan
-    from lmserve.spec.draft_model import read_draft_model
+    from lmserve.spec.draft_model import draft_opt, read_draft_model
 
     try:
-        path = resolve_model_path(config.model)
-        model = read_model_args(path)
-        plan = make_plan(config, model, draft_args=read_draft_model(config, model)[1])
+        config, source = open_model(config)
+        model = source.args
+        draft = read_draft_model(config, model)
+        plan = make_plan(config, model, draft_args=draft and draft.args,
+                         draft_opt=draft and draft_opt(config, draft),
+                         stage_layers_given=source.stage_layers)
+        defaults = source.generation_defaults(args.generation_config)
     except (OSError, ValueError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 1
-    print(f"model  {path} ({model.architecture}, {model.num_layers} layers, "
+    print(f"model  {source.describe()} ({model.architecture}, {model.num_layers} layers, "
           f"context {model.context_length})")
     print(plan.describe())
-    print(read_generation_defaults(path, args.generation_config).describe())
+    print(defaults.describe())
     return 0
 
 
@@ -378,6 +391,38 @@ def _add_plan(commands: Any) -> None:
     plan.set_defaults(handler=_run_plan, parser=plan)
 
 
+def _run_compile(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    config = _config(args, parser)
+    from lmserve.library.compile import compile_library
+
+    started = time.perf_counter()
+    print(f"compiling {config.model or 'the built-in model'} into {args.output}...", file=sys.stderr,
+          flush=True)
+    try:
+        info = compile_library(config, args.output, lambda line: print(line, file=sys.stderr, flush=True))
+    except (OSError, ValueError, RuntimeError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 1
+    size = sum(f["size"] for f in info.files.values())
+    print(f"wrote {args.output} ({size / 2**20:.1f} MiB, {len(info.files)} files) in "
+          f"{time.perf_counter() - started:.1f} s; serve it with: lmserve serve --model-lib {args.output}")
+    return 0
+
+
+def _add_compile(commands: Any) -> None:
+    compile_ = commands.add_parser(
+        "compile", help="compile a model into a library that starts without preparing anything",
+        description="Write a model library: the weights prepared for --opt (and split for "
+                    "--tensor-parallel-shards / --pipeline-parallel-stages), the C++ kernels "
+                    "built for this CPU, the tokenizer and chat template. Serve it with "
+                    "--model-lib DIR; opt and the parallel split then come from the library. "
+                    "The other engine flags are for serving and are not stored.")
+    compile_.add_argument("--output", required=True, metavar="DIR",
+                          help="the library's directory (must not exist yet)")
+    add_engine_args(compile_, defaults={"verbose": False})
+    compile_.set_defaults(handler=_run_compile, parser=compile_)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``lmserve`` parser with all its subcommands; each sets ``handler(args, parser)``."""
     parser = argparse.ArgumentParser(prog="lmserve", description="lmserve: an LLM serving engine.")
@@ -385,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat(commands)
     _add_serve(commands)
     _add_plan(commands)
+    _add_compile(commands)
     add_bench_parser(commands)  # lmserve.bench owns its flags
     from lmserve.train.command import add_train_heads_parser  # it builds on this module
 

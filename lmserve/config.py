@@ -106,6 +106,14 @@ _KNOB_VALUES: dict[str, dict[str, Any]] = {
 }
 
 
+def opt_without_draft_opt(opt: Optional[str]) -> Optional[str]:
+    """``opt`` without its ``draft_opt`` knob (the draft model's level, not the model's);
+    None when nothing else is left."""
+    items = [item.strip() for item in (opt or "").split(";")
+             if item.strip() and item.partition("=")[0].strip() != "draft_opt"]
+    return ";".join(items) or None
+
+
 def parse_opt(opt: Optional[str]) -> OptFlags:
     """Resolve an ``opt`` string to flags.
 
@@ -161,14 +169,16 @@ class EngineConfig:
 
     Optional fields left at None let the engine decide; SPEC.md has the full story per field.
     Bad values are refused when the object is built (``TypeError`` for a wrong type,
-    ``ValueError`` otherwise), with the field and the value in the message. Features that are
-    valid but not built yet are refused separately by ``lmserve.support.check_supported``.
+    ``ValueError`` otherwise), with the field and the value in the message.
 
     Fields:
-        model: path of a GGUF file or a Hugging Face directory; None = the built-in model.
-        model_lib: path of a model library compiled ahead of time; None = prepare at load.
+        model: path of a GGUF file or a Hugging Face directory; None = the built-in model (or,
+            with model_lib, the library's; given, it must be the model compiled).
+        model_lib: directory of a model library written by ``lmserve compile``; it starts
+            without preparing anything, and its opt, tensor_parallel_shards and
+            pipeline_parallel_stages replace the ones given. None = prepare at load.
         additional_models: extra models, each a path or a (path, model_lib) pair: the draft
-            model or the EAGLE / Medusa heads for speculative decoding.
+            model (small_draft; a pair loads its library) or the EAGLE / Medusa heads.
         mode: "local" (batch 4), "interactive" (batch 1) or "server" (as much as memory
             allows); None = "local". Decides the limits below that are left unset.
         tensor_parallel_shards: processes each layer is split across; None = 1.
@@ -372,6 +382,11 @@ def _check_combinations(c: EngineConfig) -> None:
             f"max_history_size={c.max_history_size} only applies to kv_state_kind='rnn_state', "
             f"got kv_state_kind='kv_cache'"
         )
+    pairs = [m for m in c.additional_models if isinstance(m, tuple)]
+    if pairs and c.speculative_mode != "small_draft":
+        raise ValueError(f"additional_models={c.additional_models!r}: a (path, model_lib) pair is a "
+                         f"draft model compiled by lmserve compile, for speculative_mode='small_draft'; "
+                         f"{c.speculative_mode!r} takes paths")
     if c.additional_models and c.speculative_mode in ("disable", "ngram"):
         raise ValueError(
             f"additional_models={c.additional_models!r} are draft models or heads, but "

@@ -38,14 +38,19 @@ class GenerationDefaults:
         return f"sampling defaults: {shown} ({self.source}; a request's own values win)"
 
 
+def check_generation_config(mode: str) -> None:
+    """Refuse a ``generation_config`` mode other than ``MODES``."""
+    if mode not in MODES:
+        raise ValueError(f"generation_config must be one of {', '.join(MODES)}, got {mode!r}")
+
+
 def read_generation_defaults(model_path: str, mode: str = "auto") -> GenerationDefaults:
     """The sampling defaults of the model at ``model_path`` (a GGUF file or an HF directory).
 
     ``mode``: ``"auto"`` reads them from the model (llama.cpp's for a GGUF file); ``"none"``
     turns them off. Raises ``ValueError`` for another mode.
     """
-    if mode not in MODES:
-        raise ValueError(f"generation_config must be one of {', '.join(MODES)}, got {mode!r}")
+    check_generation_config(mode)
     if mode == "none":
         return GenerationDefaults()
     if os.path.isfile(model_path):

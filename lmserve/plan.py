@@ -137,12 +137,15 @@ class EnginePlan:
 
 
 def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int] = None,
-              draft_args: Optional[ModelArgs] = None) -> EnginePlan:
+              draft_args: Optional[ModelArgs] = None, draft_opt: Optional[OptFlags] = None,
+              stage_layers_given: Optional[tuple[range, ...]] = None) -> EnginePlan:
     """Resolve the config's limits against the model and the memory budget.
 
     Values given in the config always win. ``device_memory`` defaults to the machine's RAM.
     ``draft_args``: the draft model of ``speculative_mode="small_draft"``, whose weights and KV
-    (a second set of tensors over the same pages, at the draft's opt level) share the budget.
+    (a second set of tensors over the same pages, at the draft's level ``draft_opt``, default
+    the config's draft_opt knob) share the budget. ``stage_layers_given``: the pipeline stages'
+    layers a model library was compiled with (else split here).
     Raises ``ValueError`` with the numbers when the plan cannot work.
     """
     opt = parse_opt(config.opt)
@@ -153,7 +156,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     models = [(args, opt)]
     eagle = config.speculative_mode == "eagle"
     if draft_args is not None:  # an EAGLE head's layer keeps KV and attends as the target does
-        models.append((draft_args, opt if eagle else parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT)))
+        models.append((draft_args, opt if eagle else draft_opt or parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT)))
     kv_dtypes = [_kv_dtype(a, o, config.kv_cache_page_size) for a, o in models]
     stages = config.pipeline_parallel_stages or 1
     if stages > 1 and config.speculative_mode in ("medusa", "eagle"):
@@ -169,7 +172,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         except FileNotFoundError as err:
             raise FileNotFoundError(f"additional_models[0]: {err}") from None
     tensor = config.tensor_parallel_shards or 1
-    layers_of_stages = stage_layers(args, stages, tensor) if stages > 1 else ()
+    layers_of_stages = stage_layers_given or (stage_layers(args, stages, tensor) if stages > 1 else ())
     rank_weights = rank_weight_bytes(args, opt, tensor, layers_of_stages) \
         if tensor * stages > 1 else ()
     weights = heads + sum(rank_weights or [weight_bytes(args, opt.weight_dtype, opt.act_dtype)]) + sum(

@@ -30,6 +30,7 @@ class Tokenizer:
         if not hf.is_fast:
             raise TypeError(f"lmserve needs a fast (Rust) tokenizer, got {type(hf).__name__}")
         self._hf = hf
+        self._extra_eos_token_ids = [int(i) for i in extra_eos_token_ids]
         # The Rust tokenizer's decode skips transformers' Python-side post-processing, which keeps
         # streaming cheap and makes decode() and IncrementalDetokenizer agree character for character.
         self._backend = hf.backend_tokenizer
@@ -54,8 +55,20 @@ class Tokenizer:
         path = resolve_model_path(model)
         if os.path.isfile(path):
             path = _cached_gguf_tokenizer_dir(path)
-        hf = AutoTokenizer.from_pretrained(path)
-        return cls(hf, _generation_config_eos_ids(path))
+        return cls.from_pretrained_dir(path)
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str) -> "Tokenizer":
+        """Load a tokenizer saved in Hugging Face form (a model directory, or ``save_pretrained``'s),
+        with the extra stop tokens of its ``generation_config.json``."""
+        return cls(AutoTokenizer.from_pretrained(path), _generation_config_eos_ids(path))
+
+    def save_pretrained(self, path: str) -> None:
+        """Save the tokenizer and chat template in Hugging Face form, with the extra stop tokens
+        it was given, so that ``from_pretrained_dir(path)`` loads this very tokenizer."""
+        self._hf.save_pretrained(path)
+        with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"eos_token_id": self._extra_eos_token_ids}, f)
 
     @property
     def hf(self) -> PreTrainedTokenizerBase:

@@ -22,6 +22,7 @@ from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.layers.linear import FLOAT_DTYPES, resolve_act_dtype, resolve_weight_format
 from lmserve.models.args import ModelArgs
 from lmserve.models.loader import load_weights
+from lmserve.models.llama import LlamaModel
 from lmserve.models.registry import model_class
 from lmserve.parallel.all_reduce import AllReduce
 from lmserve.parallel.shard import TensorShard, check_shardable, shard_args, shard_weights
@@ -32,14 +33,13 @@ from lmserve.runner import ModelRunner
 logger = logging.getLogger("lmserve")
 
 
-def build_worker(model_path: str, args: ModelArgs, plan: EnginePlan, opt: OptFlags,
-                 device: torch.device, shard: Optional[TensorShard] = None,
-                 all_reduce: Optional[AllReduce] = None, layers: Optional[range] = None,
-                 head: bool = True) -> ModelRunner:
-    """Load the weights of ``model_path`` as ``opt`` asks and build the runner over a KV cache
-    of ``plan.num_pages`` pages. ``shard``: this rank's part of a tensor-parallel model, whose
-    partial outputs ``all_reduce`` sums; ``layers``: a pipeline stage's (None: all), with their
-    KV only; ``head``: build the language-model head (the rank that samples)."""
+def prepare_model(model_path: str, args: ModelArgs, opt: OptFlags,
+                  shard: Optional[TensorShard] = None, layers: Optional[range] = None,
+                  head: bool = True) -> LlamaModel:
+    """Load the weights of ``model_path`` and prepare them as ``opt`` asks (the work a model
+    library does ahead of time). ``shard``: this rank's part of a tensor-parallel model;
+    ``layers``: a pipeline stage's (None: all); ``head``: build the language-model head (the
+    rank that samples)."""
     weight_format = resolve_weight_format(opt.weight_dtype)
     blocks = weight_format not in FLOAT_DTYPES
     weights = load_weights(model_path, keep_blocks=blocks)
@@ -51,10 +51,14 @@ def build_worker(model_path: str, args: ModelArgs, plan: EnginePlan, opt: OptFla
         args = shard_args(args, shard.size)
     act = resolve_act_dtype(opt.act_dtype)
     mlp_act = resolve_act_dtype(opt.mlp_act_dtype) if opt.mlp_act_dtype else act
-    model = model_class(args.architecture)(args, weights, weight_format, act, mlp_act, head,
-                                           layers)
-    del weights
+    return model_class(args.architecture)(args, weights, weight_format, act, mlp_act, head, layers)
 
+
+def build_worker(model: LlamaModel, plan: EnginePlan, opt: OptFlags, device: torch.device,
+                 all_reduce: Optional[AllReduce] = None) -> ModelRunner:
+    """The runner of ``model`` (prepared, or loaded from a model library) over a KV cache of
+    ``plan.num_pages`` pages; ``all_reduce`` sums a tensor-parallel rank's partial outputs."""
+    args = model.args
     shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
     kv_dtype = KV_DTYPES[plan.kv_dtype]
     backend = None  # a model without attention layers (Mamba) has neither backend nor KV

@@ -42,13 +42,16 @@ def test_flags_map_to_config_fields():
         "--model", "m.gguf", "--max-num-sequence", "8", "--prefill-chunk-size", "256",
         "--opt", "O1;kv_dtype=bfloat16", "--mode", "server", "--gpu-memory-utilization", "0.5",
         "--prefix-cache-mode", "disable", "--no-verbose", "--speculative-mode", "medusa",
-        "--additional-models", "draft.gguf", "--additional-models", "heads,heads.so", "more",
+        "--additional-models", "heads", "--additional-models", "more", "heads2",
     ))
     assert config == EngineConfig(
         model="m.gguf", max_num_sequence=8, prefill_chunk_size=256, opt="O1;kv_dtype=bfloat16",
         mode="server", gpu_memory_utilization=0.5, prefix_cache_mode="disable", verbose=False,
-        speculative_mode="medusa", additional_models=["draft.gguf", ("heads", "heads.so"), "more"],
+        speculative_mode="medusa", additional_models=["heads", "more", "heads2"],
     )
+    assert engine_config_from_args(parse_chat(  # PATH,MODEL_LIB: a draft model's library
+        "--speculative-mode", "small_draft", "--additional-models", "draft.gguf,draft-lib")) == EngineConfig(
+        speculative_mode="small_draft", additional_models=[("draft.gguf", "draft-lib")], verbose=False)
     assert engine_config_from_args(parse_chat(
         "--speculative-mode", "ngram", "--spec-draft-length", "3")) == EngineConfig(
         speculative_mode="ngram", spec_draft_length=3, verbose=False)

@@ -7,7 +7,6 @@ from typing import List, Literal, Optional, Tuple, Union  # noqa: UP035
 import pytest
 
 from lmserve.config import OPT_LEVELS, EngineConfig, OptFlags, parse_opt
-from lmserve.support import check_supported
 
 # The seed's interface, in its order: (name, annotation, default).
 SEED_FIELDS = [
@@ -56,7 +55,7 @@ def test_default_config_round_trips():
 def test_round_trip_keeps_every_field_and_model_pairs_as_tuples():
     config = EngineConfig(
         model="m.gguf",
-        additional_models=["draft", ("head", "head.so")],
+        additional_models=[("draft.gguf", "draft-lib")],
         mode="interactive",
         opt="O0;compile=1",
         gpu_memory_utilization=0.5,
@@ -69,7 +68,7 @@ def test_round_trip_keeps_every_field_and_model_pairs_as_tuples():
         attention_sink_size=4,
         kv_state_kind="rnn_state",
         max_history_size=2,
-        speculative_mode="eagle",
+        speculative_mode="small_draft",
         spec_draft_length=5,
         spec_tree_width=2,
         prefix_cache_mode="disable",
@@ -79,14 +78,14 @@ def test_round_trip_keeps_every_field_and_model_pairs_as_tuples():
     )
     again = EngineConfig.from_json(config.asjson())
     assert again == config
-    assert again.additional_models == ["draft", ("head", "head.so")]
+    assert again.additional_models == [("draft.gguf", "draft-lib")]
 
 
 def test_list_pairs_are_normalised_to_tuples_without_touching_the_callers_list():
-    models = ["a", ["b", "b.so"]]
-    config = EngineConfig(speculative_mode="eagle", additional_models=models)
-    assert config.additional_models == ["a", ("b", "b.so")]
-    assert models == ["a", ["b", "b.so"]]
+    models = [["b", "b-lib"]]
+    config = EngineConfig(speculative_mode="small_draft", additional_models=models)
+    assert config.additional_models == [("b", "b-lib")]
+    assert models == [["b", "b-lib"]]
 
 
 def test_int_is_accepted_for_a_float_field():
@@ -280,58 +279,7 @@ def test_config_refuses_bad_opt_at_construction():
         EngineConfig(opt="cudagraph=1")
 
 
-# ---- features not built yet ----
-
-
-def test_default_config_is_supported():
-    check_supported(EngineConfig())
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"opt": "O3;weight_dtype=bfloat16"},
-        {"mode": "local"},
-        {"mode": "interactive"},
-        {"tensor_parallel_shards": 1, "pipeline_parallel_stages": 1},
-        {"prefix_cache_mode": "radix"},
-        {"prefix_cache_mode": "disable"},
-        {"kv_state_kind": "kv_cache"},
-        {"kv_state_kind": "rnn_state", "max_history_size": 4},
-        {"prefill_mode": "chunked"},
-        {"max_num_sequence": 8, "max_total_sequence_length": 4096, "prefill_chunk_size": 256},
-        {"speculative_mode": "ngram"},
-        {"speculative_mode": "ngram", "spec_draft_length": 5},
-        {"speculative_mode": "ngram", "spec_draft_length": 4, "spec_tree_width": 3},
-        {"speculative_mode": "ngram", "spec_draft_length": 64},  # a chain has no 64-token limit
-        {"speculative_mode": "eagle", "additional_models": ["head"]},
-        {"sliding_window_size": 512},
-        {"sliding_window_size": 512, "attention_sink_size": 4},
-        {"tensor_parallel_shards": 2},
-        {"pipeline_parallel_stages": 2},
-    ],
-)
-def test_built_features_are_supported(kwargs):
-    check_supported(EngineConfig(**kwargs))
-
-
-UNBUILT = [
-    ({"model_lib": "model.so"}, "model_lib"),
-    ({"speculative_mode": "small_draft", "additional_models": [("d", "d.so")]}, "additional_models"),
-]
-
-
-@pytest.mark.parametrize("kwargs, field", UNBUILT, ids=[f for _, f in UNBUILT])
-def test_unbuilt_features_are_refused_by_name(kwargs, field):
-    config = EngineConfig(**kwargs)
-    with pytest.raises(NotImplementedError) as info:
-        check_supported(config)
-    assert f"{field}={getattr(config, field)!r}" in str(info.value)
-
-
-def test_every_unbuilt_feature_is_reported_at_once():
-    with pytest.raises(NotImplementedError) as info:
-        check_supported(EngineConfig(model_lib="x.so", additional_models=[("d", "d.so")],
-                                     speculative_mode="small_draft"))
-    assert "model_lib='x.so'" in str(info.value)
-    assert "additional_models=[('d', 'd.so')]" in str(info.value)
+def test_a_model_library_pair_is_only_a_draft_model():
+    with pytest.raises(ValueError, match=r"a \(path, model_lib\) pair is a draft model .* 'eagle' takes paths"):
+        EngineConfig(speculative_mode="eagle", additional_models=[("head", "lib")])
+    EngineConfig(speculative_mode="small_draft", additional_models=[("draft.gguf", "lib")])

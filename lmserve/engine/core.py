@@ -18,9 +18,9 @@ from lmserve.cache.radix import RadixCache
 from lmserve.cache.snapshots import StateSnapshots
 from lmserve.cache.state import StateSlots
 from lmserve.cache.state_manager import StateManager
-from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, parse_opt
+from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.output import OutputProcessor
-from lmserve.models.loader import read_model_args, resolve_model_path
+from lmserve.models.source import open_model
 from lmserve.parallel.driver import ParallelRunner
 from lmserve.parallel.group import ParallelGroup, world_size
 from lmserve.parallel.rank import build_rank
@@ -29,7 +29,7 @@ from lmserve.plan import make_plan, resolve_window
 from lmserve.protocol import InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.sampler import SampleResult, SamplingBatch, sample
-from lmserve.spec.draft_model import read_draft_model
+from lmserve.spec.draft_model import draft_opt, read_draft_model
 from lmserve.spec.eagle import build_eagle_runner
 from lmserve.spec.eagle_heads import read_eagle_head
 from lmserve.spec.speculator import SpecCounters, make_speculator
@@ -37,8 +37,6 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.scheduler import Batch, Scheduler
 from lmserve.structured.compiler import GrammarCompiler
 from lmserve.structured.matcher import SequenceGrammar, fill_bitmask
-from lmserve.support import check_supported
-from lmserve.tokenizer import Tokenizer
 from lmserve.worker import build_worker
 
 logger = logging.getLogger("lmserve")
@@ -60,14 +58,15 @@ class EngineCore:
     exactly one thread (the engine loop) calls ``add_request``, ``abort_request`` and ``step``."""
 
     def __init__(self, config: EngineConfig) -> None:
-        check_supported(config)
+        # A model library brings its own opt and parallel split (``open_model``).
+        config, self.source = open_model(config)
         self.config = config
-        path = resolve_model_path(config.model)
-        self.model_path = path
-        self.args = read_model_args(path)
-        draft_path, draft_args = read_draft_model(config, self.args)
+        self.args = self.source.args
+        draft = read_draft_model(config, self.args)
+        draft_level = draft and draft_opt(config, draft)
         eagle = read_eagle_head(config, self.args)
-        self.plan = make_plan(config, self.args, draft_args=draft_args or (eagle and eagle.args))
+        self.plan = make_plan(config, self.args, draft_args=(draft and draft.args) or (eagle and eagle.args),
+                              draft_opt=draft_level, stage_layers_given=self.source.stage_layers)
         opt = parse_opt(config.opt)
         self.device = torch.device("cpu")
 
@@ -75,22 +74,22 @@ class EngineCore:
         if world_size(config) > 1:  # (make_plan has refused a split the model cannot take)
             self.group = ParallelGroup.start(config)
         try:
-            self.runner = self._build_runner(path, opt)
+            self.runner = self._build_runner(opt)
             # A draft model is a second worker over the same page ids (its own KV tensors). Under a
             # window on every layer it attends within the same window (pages past it are given
             # back; its drafts only need to be good guesses), else within its own, if any.
             self.draft_runner = None
-            if draft_args is not None:
+            if draft is not None:
                 draft_plan = dataclasses.replace(self.plan, kv_dtype=self.plan.draft_kv_dtype)
                 if not self.plan.bounded:
-                    window, layers = resolve_window(None, None, draft_args)
+                    window, layers = resolve_window(None, None, draft.args)
                     draft_plan = dataclasses.replace(draft_plan, window=window, window_layers=layers)
-                self.draft_runner = build_worker(draft_path, draft_args, draft_plan,
-                                                 parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT), self.device)
+                self.draft_runner = build_worker(draft.load_model(draft_level), draft_plan, draft_level,
+                                                 self.device)
             elif eagle is not None:  # an EAGLE head: its layer's KV over the same page ids
                 self.draft_runner = build_eagle_runner(eagle, self.runner, self.plan, opt.attention,
                                                        self.device)
-            self.tokenizer = Tokenizer.from_model(path)
+            self.tokenizer = self.source.tokenizer()
             plan = self.plan
             self.pool = PagePool(plan.num_pages)
             self.prefix_cache = self._make_prefix_cache(config, plan)
@@ -118,7 +117,7 @@ class EngineCore:
             self.close(kill=True)
             raise
         if config.verbose:
-            logger.info("model %s (%s, %d layers)\n%s", path, self.args.architecture,
+            logger.info("model %s (%s, %d layers)\n%s", self.source.describe(), self.args.architecture,
                         self.args.num_layers, plan.describe())
 
     # -- requests ------------------------------------------------------------------------------
@@ -283,13 +282,13 @@ class EngineCore:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _build_runner(self, path: str, opt):
+    def _build_runner(self, opt):
         """The target model's runner: a worker, or rank 0's part of a parallel one (every
         rank builds its part on this plan)."""
         if self.group is None:
-            return build_worker(path, self.args, self.plan, opt, self.device)
+            return build_worker(self.source.load_model(opt), self.plan, opt, self.device)
         self.group.send(self.plan)
-        runner = ParallelRunner(build_rank(self.config, self.plan, self.group), self.group)
+        runner = ParallelRunner(build_rank(self.source, opt, self.plan, self.group), self.group)
         logger.info("parallel engine: %s", self.group.describe())
         return runner
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import queue
 import uuid
 from typing import Iterator, Optional
@@ -14,8 +13,7 @@ from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
 from lmserve.engine.loop import EngineLoop
 from lmserve.engine.openai_api import Chat, Completions
-from lmserve.generation_defaults import read_generation_defaults
-from lmserve.models.loader import resolve_model_path
+from lmserve.generation_defaults import check_generation_config
 from lmserve.outputs import EngineStats, RequestOutput
 from lmserve.sampling_params import SamplingParams
 
@@ -47,19 +45,24 @@ class EngineBase:
         leaves unset with the model's defaults (``generation_config.json``, or llama.cpp's for
         a GGUF file); ``"none"`` leaves OpenAI's (see ``lmserve.generation_defaults``)."""
         self.config = make_config(model, config, overrides)
-        self.generation_defaults = read_generation_defaults(resolve_model_path(self.config.model),
-                                                            generation_config)
+        check_generation_config(generation_config)
         if self.config.verbose and not logging.getLogger("lmserve").handlers:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(asctime)s lmserve: %(message)s"))
             logging.getLogger("lmserve").addHandler(handler)
             logging.getLogger("lmserve").setLevel(logging.INFO)
-        if self.config.verbose:
-            logging.getLogger("lmserve").info("%s", self.generation_defaults.describe())
         self._loop = EngineLoop(lambda: EngineCore(self.config))
         self._core = self._loop.core
+        self.config = self._core.config  # with a model library's opt and parallel split
+        try:
+            self.generation_defaults = self._core.source.generation_defaults(generation_config)
+        except BaseException:  # a bad generation_config.json: the engine stops again
+            self._loop.shutdown()
+            raise
+        if self.config.verbose:
+            logging.getLogger("lmserve").info("%s", self.generation_defaults.describe())
         self.tokenizer = self._core.tokenizer
-        self.model_name = os.path.basename(self._core.model_path.rstrip("/"))
+        self.model_name = self._core.source.name
         self.max_model_len = self._core.plan.max_single_sequence_length
 
     @property

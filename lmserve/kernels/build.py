@@ -5,6 +5,9 @@ the system ``g++`` (no torch headers) and are called through ctypes with the GIL
 shared object is cached under ``~/.cache/lmserve/kernels`` keyed by the source, the compiler
 flags and the CPU's feature flags (it is built with ``-march=native``). Any failure (no compiler,
 no AVX-512) leaves the kernels unavailable, and callers fall back to the torch path.
+
+A process serving a model library (``lmserve.library``) loads the library's own builds instead
+(``use_prebuilt_kernels``) and never runs the compiler.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -26,6 +30,8 @@ _SOURCE_DIR = Path(__file__).parent
 # The flags every kernel is built with (benchmarks/kernel_ab.py builds other revisions alike).
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+# A model library's kernels directory: kernels not loaded yet come from there, never compiled.
+_prebuilt: Optional[Path] = None
 
 
 def cache_dir() -> Path:
@@ -34,7 +40,20 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_flags() -> set[str]:
+def kernel_names() -> list[str]:
+    """Every kernel of this package (its ``.cpp`` files' names)."""
+    return sorted(p.stem for p in _SOURCE_DIR.glob("*.cpp"))
+
+
+def source_digest(name: str) -> str:
+    """A digest of what kernel ``name`` is built from: its source, the headers, the flags."""
+    source = (_SOURCE_DIR / f"{name}.cpp").read_bytes() + b"".join(
+        h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h")))
+    return hashlib.sha256(source + " ".join(COMPILE_FLAGS).encode()).hexdigest()
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux names them (``/proc/cpuinfo``)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -45,9 +64,27 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+# g++'s names of instruction sets that Linux spells otherwise (both without "-", "_" and ".").
+_GCC_TO_LINUX = {"bmi": "bmi1", "sha": "shani", "pclmul": "pclmulqdq", "rdrnd": "rdrand",
+                 "lzcnt": "abm", "prfchw": "3dnowprefetch", "sahf": "lahflm", "sse3": "pni"}
+
+
+def native_isa() -> list[str]:
+    """The instruction sets of this CPU that ``-march=native`` lets g++ use, as Linux names
+    them: what a kernel built here may execute, so what a CPU running it must have."""
+    listing = subprocess.run(["g++", "-march=native", "-Q", "--help=target"], capture_output=True,
+                             text=True, check=True).stdout
+    enabled = {re.sub(r"[-_.]", "", m) for m in re.findall(r"^\s+-m([\w.-]+)\s+\[enabled\]", listing, re.M)}
+    enabled = {_GCC_TO_LINUX.get(name, name) for name in enabled}
+    return sorted(f for f in cpu_flags() if re.sub(r"[-_.]", "", f) in enabled)
+
+
 def why_unavailable() -> Optional[str]:
-    """Why the kernels cannot be built here, or None if they can."""
-    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    """Why the kernels cannot be built here, or None if they can (or come from a model
+    library, which was checked against this CPU when it was opened)."""
+    if _prebuilt is not None:
+        return None
+    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     if shutil.which("g++") is None:
@@ -67,16 +104,35 @@ def load_kernel_library(name: str, signatures: dict[str, list]) -> Optional[ctyp
     return lib
 
 
+def use_prebuilt_kernels(directory: Optional[Path]) -> None:
+    """Load the kernels this process has not loaded yet from ``directory`` (``<name>.so``, a
+    model library's builds), never compiling; None: build them here again."""
+    global _prebuilt
+    _prebuilt = directory
+
+
 @functools.cache
 def _load(name: str) -> Optional[ctypes.CDLL]:
+    if _prebuilt is not None:
+        path = _prebuilt / f"{name}.so"
+        if not path.is_file():
+            logger.info("C++ kernel %s is not in the model library (%s); using the torch path",
+                        name, _prebuilt)
+            return None
+        return ctypes.CDLL(str(path))
+    target = build_kernel(name)
+    return None if target is None else ctypes.CDLL(str(target))
+
+
+def build_kernel(name: str) -> Optional[Path]:
+    """The shared object of kernel ``name`` for this CPU, compiled unless cached; None (logged)
+    where it cannot be built."""
     reason = why_unavailable()
     if reason:
         logger.info("C++ kernel %s unavailable: %s; using the torch path", name, reason)
         return None
-    source = (_SOURCE_DIR / f"{name}.cpp").read_bytes() + b"".join(
-        h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h")))
-    key = hashlib.sha256(source + " ".join(COMPILE_FLAGS).encode()
-                         + " ".join(sorted(_cpu_flags())).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source_digest(name).encode()
+                         + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -91,4 +147,4 @@ def _load(name: str) -> Optional[ctypes.CDLL]:
                            result.stderr[-2000:])
             return None
         os.replace(tmp, target)
-    return ctypes.CDLL(str(target))
+    return target

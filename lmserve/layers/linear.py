@@ -37,10 +37,12 @@ ACT_TENSOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
+@functools.cache
 def _library() -> Optional[ctypes.CDLL]:
     return load_kernel_library("block_gemm", {"lm_block_gemm": [_P, _I, _P, _P, _P] + [_I] * 6})
 
 
+@functools.cache
 def _int8_library() -> Optional[ctypes.CDLL]:
     return load_kernel_library("int8_gemm", {"lm_int8_gemm": [_P, _I, _P, _P, _P] + [_I] * 8})
 
@@ -49,7 +51,7 @@ def _why_not_built(library, name: str) -> Optional[str]:
     """Why the kernel ``library()`` loads cannot be used here, or None."""
     reason = why_unavailable()
     if reason is None and library() is None:
-        return f"the C++ {name} kernel failed to build (see the log)"
+        return f"the C++ {name} kernel could not be built or loaded (see the log)"
     return reason
 
 
@@ -89,13 +91,17 @@ class BlockLinear:
 
     def __init__(self, weight: BlockWeight, bias: Optional[torch.Tensor], act: str = "float32"):
         self.digits = INT_ACT_DIGITS.get(act, 0) if weight.bits in (4, 8) else 0
-        self.lib = _int8_library() if self.digits else _library()
         if self.lib is None:
             raise RuntimeError("the C++ block kernel is not available on this machine")
         self.bits = weight.bits
         self.n, self.k = weight.shape
         self.codes, self.consts = pack_rows_int8(weight) if self.digits else pack_rows(weight)
         self.bias = None if bias is None else bias.float()
+
+    @property
+    def lib(self) -> Optional[ctypes.CDLL]:
+        """The kernel library this layer calls (a property: a model library stores data only)."""
+        return _int8_library() if self.digits else _library()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.k:  # the kernel would read past the end of x

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Optional
 
@@ -45,3 +46,20 @@ def load_weights(model: Optional[str], keep_blocks: bool = False) -> dict[str, t
     block-quantized matrices (Q4_0, Q4_1, Q8_0) with ``keep_blocks``, which stay ``BlockWeight``."""
     path = resolve_model_path(model)
     return read_hf_weights(path) if os.path.isdir(path) else read_gguf_weights(path, keep_blocks)
+
+
+def model_fingerprint(path: str) -> str:
+    """A digest of a model's files (a GGUF file or a Hugging Face directory, resolved): their
+    sizes and 16 samples of 64 KiB spread over each (hashing whole files of tens of GB would
+    hold up every start)."""
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, f) for f in os.listdir(path) if f.endswith((".json", ".safetensors", ".gguf")))
+    digest = hashlib.sha256()
+    for name in files:
+        size = os.path.getsize(name)
+        digest.update(f"{os.path.basename(name)}:{size};".encode())
+        with open(name, "rb") as f:
+            for i in range(16):
+                f.seek(size * i // 16)
+                digest.update(f.read(1 << 16))
+    return digest.hexdigest()[:16]

@@ -16,7 +16,6 @@ and a watchdog thread ends rank 0's waits as soon as a started rank's process ex
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ import torch.distributed as dist
 
 import lmserve
 from lmserve.config import EngineConfig, parse_opt
-from lmserve.models.loader import resolve_model_path
+from lmserve.models.source import fingerprint
 from lmserve.parallel.all_reduce import (AllReduce, GlooAllReduce, ShmAllReduce, create_segment,
                                          segment_bytes, shm_available)
 from lmserve.parallel.channels import Channel, GlooChannel, ShmChannel, channel_segment_bytes
@@ -309,7 +308,7 @@ def _unpin(cores: set[int], threads: int) -> None:
 
 def _check_agreement(config: EngineConfig, rank: int) -> None:
     """Refuse to serve when the ranks load different things (two hosts, two model files)."""
-    mine = {"lmserve": lmserve.__version__, "model": model_fingerprint(config.model),
+    mine = {"lmserve": lmserve.__version__, "model": fingerprint(config),
             "opt": parse_opt(config.opt), "tensor_parallel_shards": config.tensor_parallel_shards,
             "pipeline_parallel_stages": config.pipeline_parallel_stages}
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -319,20 +318,3 @@ def _check_agreement(config: EngineConfig, rank: int) -> None:
                    if theirs[key] != everyone[0][key]]
     if differences:
         raise ValueError("the ranks do not agree on what to serve: " + "; ".join(differences))
-
-
-def model_fingerprint(model: Optional[str]) -> str:
-    """A digest of the model's files: their sizes and 16 samples of 64 KiB spread over each
-    (hashing whole files of tens of GB would hold up every start)."""
-    path = resolve_model_path(model)
-    files = [path] if os.path.isfile(path) else sorted(
-        os.path.join(path, f) for f in os.listdir(path) if f.endswith((".json", ".safetensors", ".gguf")))
-    digest = hashlib.sha256()
-    for name in files:
-        size = os.path.getsize(name)
-        digest.update(f"{os.path.basename(name)}:{size};".encode())
-        with open(name, "rb") as f:
-            for i in range(16):
-                f.seek(size * i // 16)
-                digest.update(f.read(1 << 16))
-    return digest.hexdigest()[:16]

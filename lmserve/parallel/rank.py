@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import torch
 
-from lmserve.config import EngineConfig, parse_opt
-from lmserve.models.loader import read_model_args, resolve_model_path
+from lmserve.config import EngineConfig, OptFlags, parse_opt
+from lmserve.models.source import ModelSource, open_model, use_kernels_of
 from lmserve.parallel.commands import RankLost
 from lmserve.parallel.group import ParallelGroup
 from lmserve.parallel.shard import TensorShard
@@ -23,13 +23,12 @@ from lmserve.worker import build_worker
 logger = logging.getLogger("lmserve")
 
 
-def build_rank(config: EngineConfig, plan, group: ParallelGroup) -> ModelRunner:
+def build_rank(source: ModelSource, opt: OptFlags, plan, group: ParallelGroup) -> ModelRunner:
     """This rank's part of the model over the plan's KV pages (rank 0 calls it too)."""
-    path = resolve_model_path(config.model)
     shard = TensorShard(group.rank % group.tensor, group.tensor) if group.tensor > 1 else None
     layers = plan.stage_layers[group.stage] if plan.stage_layers else None
-    return build_worker(path, read_model_args(path), plan, parse_opt(config.opt),
-                        torch.device("cpu"), shard, group.all_reduce, layers, head=group.rank == 0)
+    model = source.load_model(opt, group.rank, shard, layers, head=group.rank == 0)
+    return build_worker(model, plan, opt, torch.device("cpu"), group.all_reduce)
 
 
 def run_stage(runner: ModelRunner, group: ParallelGroup, step: StepInput) -> None:
@@ -49,7 +48,8 @@ def run_stage(runner: ModelRunner, group: ParallelGroup, step: StepInput) -> Non
 def serve_rank(config: EngineConfig, group: ParallelGroup) -> int:
     """Build this rank's worker on rank 0's plan and run rank 0's commands; the exit status."""
     plan = group.receive()
-    runner = build_rank(config, plan, group)
+    config, source = open_model(config)
+    runner = build_rank(source, parse_opt(config.opt), plan, group)
     logger.info("parallel engine: %s", group.describe())
     group.barrier()  # every rank is built and rank 0 is ready: steps may come
     while True:
@@ -85,6 +85,7 @@ def serve_rank(config: EngineConfig, group: ParallelGroup) -> int:
 def serve_host_ranks(config: EngineConfig) -> int:
     """A launch whose first rank is not 0 (another host's, or torchrun's): start this host's
     other ranks and serve rank 0's commands until it stops; the exit status."""
+    use_kernels_of(config)  # before the group loads its all-reduce kernel
     group = ParallelGroup.start(config)
     try:
         return serve_rank(config, group)

@@ -11,6 +11,7 @@ import signal
 import sys
 
 from lmserve.config import EngineConfig
+from lmserve.models.source import use_kernels_of
 from lmserve.parallel.group import ParallelGroup, RankSpec
 from lmserve.parallel.placement import Placement, pin
 from lmserve.parallel.rank import serve_rank
@@ -35,6 +36,7 @@ def main(argv: list[str]) -> int:
                         level=logging.INFO if config.verbose else logging.WARNING)
     pin(spec.cores, spec.local_index, spec.local_ranks)
     place = Placement(**{**spec.placement, "spawns": tuple(spec.placement["spawns"])})
+    use_kernels_of(config)  # before the group loads its all-reduce kernel
     return serve_rank(config, ParallelGroup.join(place, config))
 
 

@@ -16,16 +16,20 @@ draft's count is clamped to the verified tokens its KV holds (``Scheduler.update
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
-from lmserve.config import EngineConfig
+from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
+from lmserve.library.library import ModelLibrary
 from lmserve.models.args import ModelArgs
-from lmserve.models.loader import read_model_args, resolve_model_path
+from lmserve.models.source import ModelSource, open_draft_model
 from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.spec.tree import DraftTree
 from lmserve.step import SeqStep, StepInput
+
+logger = logging.getLogger("lmserve")
 
 
 class DraftModelDrafter:
@@ -98,20 +102,29 @@ class DraftModelDrafter:
         return logits.topk(self.width, dim=-1).indices.tolist()
 
 
-def read_draft_model(config: EngineConfig,
-                     target: ModelArgs) -> tuple[Optional[str], Optional[ModelArgs]]:
-    """small_draft's model as (path, hyper-parameters), checked against the target; (None, None)
-    for other modes. Errors name ``additional_models[0]``."""
+def read_draft_model(config: EngineConfig, target: ModelArgs) -> Optional[ModelSource]:
+    """small_draft's model (its files, or its compiled library), checked against the target;
+    None for other modes. Errors name ``additional_models[0]``."""
     if config.speculative_mode != "small_draft":
-        return None, None
+        return None
     given = config.additional_models[0]
     try:
-        path = resolve_model_path(given)
-        args = read_model_args(path)
+        draft = open_draft_model(given)
     except (OSError, ValueError) as err:
         raise type(err)(f"additional_models[0] (the draft model): {err}") from None
-    if args.vocab_size != target.vocab_size:
+    if draft.args.vocab_size != target.vocab_size:
         raise ValueError(
-            f"additional_models[0] ({given!r}) has a vocabulary of {args.vocab_size} tokens and "
-            f"the model {target.vocab_size}: a draft model must share the target's vocabulary")
-    return path, args
+            f"additional_models[0] ({given!r}) has a vocabulary of {draft.args.vocab_size} tokens "
+            f"and the model {target.vocab_size}: a draft model must share the target's vocabulary")
+    return draft
+
+
+def draft_opt(config: EngineConfig, draft: ModelSource) -> OptFlags:
+    """The draft model's level: its library's, or the ``draft_opt`` knob (default O3)."""
+    knob = parse_opt(config.opt).draft_opt
+    if isinstance(draft, ModelLibrary):
+        if knob is not None:
+            logger.warning("draft_opt=%s is ignored: the draft's model library %s was compiled "
+                           "with opt=%r", knob, draft.root, draft.info.opt)
+        return parse_opt(draft.info.opt)
+    return parse_opt(knob or DEFAULT_DRAFT_OPT)

@@ -68,6 +68,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Generate, record, train, write, measure; returns the exit status."""
     try:
         config = engine_config_from_args(args)
+        if config.model_lib is not None:
+            raise ValueError("argument --model-lib: train-heads reads the model's own weights; "
+                             "give the model with --model")
         if config.speculative_mode != "disable":
             raise ValueError("argument --speculative-mode: train-heads runs the model without "
                              "speculation; the heads it writes are for --speculative-mode later")
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     started = time.perf_counter()
 
     core = EngineCore(config)
-    _log(f"{args.kind} heads for {core.model_path} at opt {config.opt or 'default'}: {len(train)} prompts, "
+    _log(f"{args.kind} heads for {core.source.path} at opt {config.opt or 'default'}: {len(train)} prompts, "
          f"answers of up to {args.max_tokens} tokens")
     with tqdm(total=len(train) * args.max_tokens, unit="tok", desc="answering", file=sys.stderr) as bar:
         samples = generate(core, train, args.max_tokens, bar.update)
@@ -97,7 +100,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               file=sys.stderr) as bar:
         features(core, samples, (), bar.update)
     head, embed = _head_and_embedding(core)
-    args_of_model, model_path = core.args, core.model_path
+    args_of_model, model_path = core.args, core.source.path
     del core
 
     bar = tqdm(total=settings.epochs * sum(len(s.tokens) for s in samples), unit="tok",
@@ -184,7 +187,7 @@ def _write(out: str, config: dict, name: str, state: dict[str, torch.Tensor]) ->
 
 def _head_and_embedding(core: EngineCore) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's head and token embeddings ``(V, D)`` in float32, from its file."""
-    weights = load_weights(core.model_path)
+    weights = load_weights(core.source.path)
     embed = weights["model.embed_tokens.weight"].float()
     head = weights.get("lm_head.weight")
     head = embed if head is None or core.args.tie_word_embeddings else head.float()
