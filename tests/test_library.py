@@ -31,7 +31,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
 
 
 def outputs(engine: Engine, prompts=PROMPTS, params=GREEDY) -> list[tuple]:
-    """Each prompt's tokens and logprobs (top ones included), all prompts in one batch."""
+    """Each prompt's tokens and logprobs (top ones included), one prompt after another."""
     streams = [engine.generate(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
     result = []
     for stream in streams:
@@ -99,33 +99,6 @@ def test_tiny_models_library_equals_jit(tmp_path, tiny_model_dir, arch, opt):
     finally:
         for e in engines:
             e.shutdown()
-
-
-def test_tensor_and_pipeline_parallel_library_equals_jit(tmp_path):
-    """TP=2 x PP=2 of a 4-bit GGUF model at the default level: four rank files, each rank's
-    shard of its stage; the same outputs as the JIT path with the same split, bit for bit."""
-    model = make_gguf_llama(str(tmp_path / "m.gguf"), "Q4_1", num_layers=4, seed=3)
-    config = dict(model=model, tensor_parallel_shards=2, pipeline_parallel_stages=2, max_num_sequence=4)
-    lib = str(tmp_path / "lib")
-    info = compile_library(EngineConfig(**config), lib)
-    assert sorted(f for f in info.files if f.startswith("rank-")) == \
-        [f"rank-{r}.safetensors" for r in range(4)]
-    library = ModelLibrary.open(lib)
-    first, second = library.load_model(None, rank=0), library.load_model(None, rank=2)
-    assert first.layer_ids == range(*info.stage_layers[0]) and first.lm_head is not None
-    assert second.layer_ids == range(*info.stage_layers[1]) and second.lm_head is None
-    assert second.layers[0].qkv.n < library.args.hidden_size * 3 // 2  # a shard of q, k and v
-    jit = Engine(verbose=False, **config)
-    try:
-        expected = outputs(jit)
-    finally:
-        jit.shutdown()
-    engine = Engine(model_lib=lib, max_num_sequence=4, verbose=False)
-    try:
-        assert (engine.config.tensor_parallel_shards, engine.config.pipeline_parallel_stages) == (2, 2)
-        assert outputs(engine) == expected
-    finally:
-        engine.shutdown()
 
 
 def test_library_tokenizer_is_the_models(library_dir):
@@ -239,9 +212,10 @@ _LOAD_SCRIPT = textwrap.dedent("""
     from lmserve import Engine, SamplingParams
     from lmserve.library.tree import to_tree
     engine = Engine(model_lib=sys.argv[1], verbose=False)
-    out = [list(engine.generate(p, SamplingParams(max_tokens=8, temperature=0)))
-           for p in json.loads(sys.argv[2])]
-    tokens = [sum((d.token_ids for o in stream for d in o.deltas), []) for stream in out]
+    out = [[d for o in engine.generate(p, SamplingParams(max_tokens=8, temperature=0, logprobs=0))
+            for d in o.deltas] for p in json.loads(sys.argv[2])]
+    greedy = [[sum((d.token_ids for d in ds), []), [lp.logprob for d in ds for lp in d.logprobs]]
+              for ds in out]
     _, tensors = to_tree(engine._core.runner.model)
     maps, kernels = [], set()  # the weights file's address ranges; the kernels' files
     for line in open("/proc/self/maps"):
@@ -259,12 +233,18 @@ _LOAD_SCRIPT = textwrap.dedent("""
         for (entry,) in struct.iter_unpack("<Q", os.pread(pagemap, 8 * (end - first), 8 * first)):
             written += entry >> 63 & 1 and not entry >> 61 & 1
     engine.shutdown()
-    print(json.dumps({"tokens": tokens, "copied": copied, "tensors": len(tensors),
+    print(json.dumps({"greedy": greedy, "copied": copied, "tensors": len(tensors),
                       "written_pages": written, "kernels": sorted(kernels)}))
 """)
 
 
-def run_without_compilers(tmp_path, lib: str, prompts) -> dict:
+def greedy(engine: Engine) -> list[list]:
+    """As ``_LOAD_SCRIPT`` reports it: each prompt's greedy tokens and their logprobs."""
+    return [[tokens, [lp for _, lp, _ in logprobs]] for tokens, logprobs in outputs(
+        engine, params=SamplingParams(max_tokens=8, temperature=0, logprobs=0))]
+
+
+def run_without_compilers(tmp_path, lib: str, prompts=PROMPTS) -> dict:
     """``_LOAD_SCRIPT`` in a fresh process with an empty kernel cache and compilers on PATH
     that only leave a mark (the engine's other ranks inherit both)."""
     bin_dir = tmp_path / "bin"
@@ -284,24 +264,38 @@ def run_without_compilers(tmp_path, lib: str, prompts) -> dict:
 
 
 def test_loading_maps_the_weights_and_compiles_nothing(tmp_path, library_dir, builtin_engine):
-    result = run_without_compilers(tmp_path, library_dir, PROMPTS)
+    result = run_without_compilers(tmp_path, library_dir)
     assert result["tensors"] > 100 and result["copied"] == []  # every tensor a view of the file
     assert result["written_pages"] == 0  # and none written to: their pages stay the page cache's
     assert {os.path.basename(k) for k in result["kernels"]} >= {"int8_gemm.so", "paged_attention.so"}
     assert all(k.startswith(library_dir) for k in result["kernels"])
-    expected = [sum((d.token_ids for o in builtin_engine.generate(p, SamplingParams(
-        max_tokens=8, temperature=0)) for d in o.deltas), []) for p in PROMPTS]
-    assert result["tokens"] == expected
+    assert result["greedy"] == greedy(builtin_engine)
 
 
-def test_a_tensor_parallel_library_compiles_nothing_either(tmp_path):
-    """Every rank (and the all-reduce kernel the ranks load when they meet) uses the library's."""
-    model = make_gguf_llama(str(tmp_path / "m.gguf"), "Q4_1", num_layers=2, seed=3)
+def test_a_parallel_library_equals_jit_and_compiles_nothing(tmp_path):
+    """TP=2 x PP=2 of a 4-bit GGUF model at the default level: four rank files, each rank's
+    shard of its stage. Served without compilers, every rank (and the all-reduce kernel the
+    ranks load when they meet) uses the library's kernels, and the output is the JIT path's
+    with the same split, bit for bit."""
+    model = make_gguf_llama(str(tmp_path / "m.gguf"), "Q4_1", num_layers=4, seed=3)
+    config = dict(model=model, tensor_parallel_shards=2, pipeline_parallel_stages=2)
     lib = str(tmp_path / "lib")
-    compile_library(EngineConfig(model=model, tensor_parallel_shards=2), lib)
-    result = run_without_compilers(tmp_path, lib, PROMPTS[:2])
+    info = compile_library(EngineConfig(**config), lib)
+    assert sorted(f for f in info.files if f.startswith("rank-")) == \
+        [f"rank-{r}.safetensors" for r in range(4)]
+    library = ModelLibrary.open(lib)
+    first, second = library.load_model(None, rank=0), library.load_model(None, rank=2)
+    assert first.layer_ids == range(*info.stage_layers[0]) and first.lm_head is not None
+    assert second.layer_ids == range(*info.stage_layers[1]) and second.lm_head is None
+    assert second.layers[0].qkv.n < library.args.hidden_size * 3 // 2  # a shard of q, k and v
+    jit = Engine(verbose=False, **config)
+    try:
+        expected = greedy(jit)
+    finally:
+        jit.shutdown()
+    result = run_without_compilers(tmp_path, lib)
     assert "shm_all_reduce.so" in {os.path.basename(k) for k in result["kernels"]}
-    assert all(len(t) == 8 for t in result["tokens"])
+    assert result["greedy"] == expected
 
 
 # -- a draft model from a library -----------------------------------------------------------------
