@@ -22,17 +22,15 @@ from typing import Callable
 
 import lmserve
 from lmserve.config import EngineConfig, opt_without_draft_opt, parse_opt
-from lmserve.generation_defaults import read_generation_defaults
-from lmserve.kernels.build import build_kernel, kernel_names, native_isa, use_prebuilt_kernels
+from lmserve.kernels.build import build_kernel, kernel_names, native_isa
 from lmserve.library.library import (FORMAT, INFO_FILE, TREE_KEY, LibraryInfo, file_sha256,
                                      package_digest)
 from lmserve.library.tensors import write_tensors
 from lmserve.library.tree import to_tree
-from lmserve.models.loader import model_fingerprint, read_model_args, resolve_model_path
-from lmserve.parallel.shard import TensorShard
+from lmserve.models.loader import model_fingerprint
+from lmserve.models.source import ModelFiles, use_kernels_of
+from lmserve.parallel.rank import rank_part
 from lmserve.parallel.stages import stage_layers
-from lmserve.tokenizer import Tokenizer
-from lmserve.worker import prepare_model
 
 
 def compile_library(config: EngineConfig, output: str,
@@ -50,9 +48,9 @@ def compile_library(config: EngineConfig, output: str,
     if opt.compile:
         raise ValueError(f"opt={config.opt!r}: compile=1 builds torch.compile graphs when the model "
                          f"loads, which a library cannot hold; compile a level without it")
-    use_prebuilt_kernels(None)  # this process builds its kernels (a library opened before has its own)
-    path = resolve_model_path(config.model)
-    args = read_model_args(path)
+    use_kernels_of(config)  # this process builds its kernels (a library opened before had its own)
+    model_files = ModelFiles(config.model)
+    path, args = model_files.path, model_files.args
     tensor, stages = config.tensor_parallel_shards or 1, config.pipeline_parallel_stages or 1
     layers_of_stages = stage_layers(args, stages, tensor) if stages > 1 else ()
     ranks = tensor * stages
@@ -69,16 +67,15 @@ def compile_library(config: EngineConfig, output: str,
                 built.append(name)
         log(f"kernels: {', '.join(built) or 'none (the torch path)'}")
         for rank in range(ranks):
-            shard = TensorShard(rank % tensor, tensor) if tensor > 1 else None
-            layers = layers_of_stages[rank // tensor] if layers_of_stages else None
-            model = prepare_model(path, args, opt, shard, layers, head=rank == 0)
+            shard, layers = rank_part(rank, tensor, layers_of_stages)
+            model = model_files.load_model(opt, rank, shard, layers, head=rank == 0)
             tree, tensors = to_tree(model)
             write_tensors(str(tmp / f"rank-{rank}.safetensors"), tensors, {TREE_KEY: json.dumps(tree)})
             log(f"rank {rank}: {len(tensors)} tensors, "
                 f"{sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20:.1f} MiB")
             del model, tensors
-        Tokenizer.from_model(path).save_pretrained(str(tmp / "tokenizer"))
-        defaults = read_generation_defaults(path)
+        model_files.tokenizer().save_pretrained(str(tmp / "tokenizer"))
+        defaults = model_files.generation_defaults()
         files = {str(f.relative_to(tmp)): {"sha256": file_sha256(f), "size": f.stat().st_size}
                  for f in sorted(tmp.rglob("*")) if f.is_file()}
         info = LibraryInfo(
@@ -91,7 +88,7 @@ def compile_library(config: EngineConfig, output: str,
             pipeline_parallel_stages=config.pipeline_parallel_stages,
             stage_layers=[[r.start, r.stop] for r in layers_of_stages],
             args=to_tree(args)[0], generation_defaults=asdict(defaults),
-            isa=native_isa() if built else [], kernels=built, files=files)
+            isa=native_isa() if built else [], files=files)
         (tmp / INFO_FILE).write_text(json.dumps(asdict(info), indent=1) + "\n")
         tmp.rename(out)
     except BaseException:

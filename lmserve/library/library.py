@@ -102,12 +102,16 @@ class LibraryInfo:
     args: Any  # the model's ModelArgs, as lmserve.library.tree writes it
     generation_defaults: dict[str, Any]  # GenerationDefaults' values and source
     isa: list[str]  # the instruction sets (Linux's names) the kernels may execute
-    kernels: list[str]  # the kernels built (others fall back to torch, as they did there)
     files: dict[str, dict[str, Any]]  # relative path -> sha256, size
 
     @property
     def ranks(self) -> int:
         return (self.tensor_parallel_shards or 1) * (self.pipeline_parallel_stages or 1)
+
+
+def library_fingerprint(directory: str) -> str:
+    """A digest naming a library's contents (its info file lists every file's sha256)."""
+    return hashlib.sha256((Path(directory).expanduser() / INFO_FILE).read_bytes()).hexdigest()[:16]
 
 
 class ModelLibrary:
@@ -241,10 +245,6 @@ class ModelLibrary:
         if mode == "none":
             return GenerationDefaults()
         return GenerationDefaults(**self.info.generation_defaults)
-
-    def fingerprint(self) -> str:
-        """A digest naming this library's contents (its info file lists every file's sha256)."""
-        return hashlib.sha256((self.root / INFO_FILE).read_bytes()).hexdigest()[:16]
 
     def describe(self) -> str:
         info = self.info

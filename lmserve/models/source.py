@@ -13,7 +13,7 @@ from typing import Optional, Union
 from lmserve.config import EngineConfig, OptFlags
 from lmserve.generation_defaults import GenerationDefaults, read_generation_defaults
 from lmserve.kernels.build import use_prebuilt_kernels
-from lmserve.library.library import ModelLibrary
+from lmserve.library.library import ModelLibrary, library_fingerprint
 from lmserve.models.llama import LlamaModel
 from lmserve.models.loader import model_fingerprint, read_model_args, resolve_model_path
 from lmserve.parallel.shard import TensorShard
@@ -88,5 +88,5 @@ def fingerprint(config: EngineConfig) -> str:
     """A digest of what ``config`` serves (the model's files, or the library's contents), for
     the ranks of a parallel engine to agree on without loading anything."""
     if config.model_lib is not None:
-        return ModelLibrary.open(config.model_lib).fingerprint()
+        return library_fingerprint(config.model_lib)
     return model_fingerprint(resolve_model_path(config.model))

@@ -9,6 +9,8 @@ first stage, the previous stage's residual stream; its output goes on to the nex
 from __future__ import annotations
 
 import logging
+from typing import Optional
+
 import torch
 
 from lmserve.config import EngineConfig, OptFlags, parse_opt
@@ -23,10 +25,16 @@ from lmserve.worker import build_worker
 logger = logging.getLogger("lmserve")
 
 
+def rank_part(rank: int, tensor: int, stage_layers: tuple[range, ...]) -> tuple[Optional[TensorShard], Optional[range]]:
+    """Rank ``rank``'s shard (None: no tensor parallelism) and its stage's layers (None: all)
+    among ``tensor`` ranks per stage; rank 0 also holds the head."""
+    shard = TensorShard(rank % tensor, tensor) if tensor > 1 else None
+    return shard, stage_layers[rank // tensor] if stage_layers else None
+
+
 def build_rank(source: ModelSource, opt: OptFlags, plan, group: ParallelGroup) -> ModelRunner:
     """This rank's part of the model over the plan's KV pages (rank 0 calls it too)."""
-    shard = TensorShard(group.rank % group.tensor, group.tensor) if group.tensor > 1 else None
-    layers = plan.stage_layers[group.stage] if plan.stage_layers else None
+    shard, layers = rank_part(group.rank, group.tensor, plan.stage_layers)
     model = source.load_model(opt, group.rank, shard, layers, head=group.rank == 0)
     return build_worker(model, plan, opt, torch.device("cpu"), group.all_reduce)
 
