@@ -1,11 +1,24 @@
-"""Does an opt level lose quality? Perplexity on a fixed text and greedy agreement with O0.
+"""How much does an opt level lose against O0? Measured as llama.cpp measures quantization.
 
-Perplexity is computed by the engine's own model, runner and KV cache on the engine thread (one
-prefill of each window of the text, every position scored), so it covers the same weights,
-kernels and attention the level serves with. Greedy agreement: the chat prompts of the test
-suite plus the first sentences of the text as prompts, 64 greedy tokens each, compared with O0.
+As ``llama-perplexity --kl-divergence`` does, each level reads a fixed text teacher-forced
+(``benchmarks/data/perplexity_text.txt``, in windows of ``--window`` tokens), and its
+distribution at every position is compared with O0's at the same position:
 
-    .venv/bin/python benchmarks/quality.py [--opt O1 --opt O2 --opt O3]
+- perplexity, and its change against O0's (bar: within 1%);
+- mean KL divergence KL(O0 || level) per token (bar: at most 0.005);
+- top-1 agreement: positions where the level's most likely token is O0's (bar: at least 98%).
+
+Everything goes through the engine's public API, as an evaluation tool would use it: the
+windows are sent together as requests with ``prompt_logprobs=20, max_tokens=0`` (the Python
+API's form of ``/v1/completions`` with ``echo`` and ``logprobs``). The KL is computed over the
+tokens O0 reports among its 20 most likely that the level reports too (the level's own top 20
+and the text's token), plus one bucket for the rest of the vocabulary: a lower bound of the
+full-vocabulary KL, equal to it when the two distributions agree in shape outside those tokens.
+
+Greedy agreement is reported too, not as a bar (greedy continuations part at the first near
+tie): the chat prompts of the test suite plus the first sentences of the text, 64 tokens each.
+
+    .venv/bin/python benchmarks/quality.py [--opt O1 --opt O2 --opt O3] [--window 512]
 """
 
 from __future__ import annotations
@@ -13,54 +26,84 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import subprocess
 import sys
+import threading
+from dataclasses import dataclass
 
-import torch
-
-from lmserve import Engine
-from lmserve.attention.base import AttentionInput
-from lmserve.models.llama import ForwardContext
+from lmserve import Engine, SamplingParams
+from lmserve.outputs import TokenLogprob
 
 TEXT = os.path.join(os.path.dirname(__file__), "data", "perplexity_text.txt")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from prompts import CHAT_PROMPTS  # noqa: E402
 
+TOP = 20  # alternatives per position (OpenAI's and vLLM's limit)
+BAR_PPL, BAR_KL, BAR_TOP1 = 0.01, 0.005, 0.98
 
-def perplexity(engine: Engine, ids: list[int], window: int) -> float:
-    """exp(mean negative log-likelihood) of ``ids`` scored in non-overlapping windows."""
 
-    def score() -> tuple[float, int]:
-        core = engine._core
-        runner, pool = core.runner, core.pool
-        nll, count = 0.0, 0
-        for start in range(0, len(ids) - 1, window):
-            chunk = ids[start : start + window + 1]
-            inputs, targets = chunk[:-1], torch.tensor(chunk[1:])
-            pages = pool.alloc(-(-len(inputs) // runner.kv.page_size))
-            try:
-                inp = AttentionInput([len(inputs)], [len(inputs)], [pages])
-                meta = runner.backend.prepare(inp, runner.kv.page_size, runner.device)
-                cos, sin = runner.rotary.lookup(torch.arange(len(inputs)))
-                ctx = ForwardContext(runner.backend, meta, runner.ops, cos, sin, runner.kv)
-                hidden = runner.model.forward(torch.tensor(inputs), ctx)
-                logp = runner.model.logits(hidden).log_softmax(-1)
-                nll -= logp.gather(1, targets[:, None]).sum().item()
-                count += len(targets)
-            finally:
-                pool.release(pages)
-        return nll, count
+@dataclass
+class Quality:
+    ppl: float
+    kl: float  # mean per token, against O0
+    top1: float  # share of positions with O0's most likely token
+    greedy_same: int  # prompts whose greedy continuation equals O0's
 
-    nll, count = engine._loop.call(score, timeout=600)
-    return math.exp(nll / count)
+    def meets_bar(self, ref_ppl: float) -> bool:
+        return abs(self.ppl / ref_ppl - 1) <= BAR_PPL and self.kl <= BAR_KL and self.top1 >= BAR_TOP1
+
+
+def score_windows(engine: Engine, ids: list[int], window: int) -> list[TokenLogprob]:
+    """Every scored position of the text (each window's tokens after its first), in order."""
+    windows = [ids[i : i + window] for i in range(0, len(ids) - 1, window)]
+    results: list = [None] * len(windows)
+    params = SamplingParams(max_tokens=0, prompt_logprobs=TOP)
+
+    def one(i: int) -> None:
+        results[i] = next(iter(engine.generate(windows[i], params))).prompt_logprobs[1:]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(windows))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [lp for r in results for lp in r]
+
+
+def kl_divergence(p: TokenLogprob, q: TokenLogprob) -> float:
+    """KL(p || q) over p's reported tokens that q reports too, and the rest as one bucket."""
+    q_known = dict(q.top)
+    q_known[q.token_id] = q.logprob
+    p_known = dict(p.top)
+    p_known[p.token_id] = p.logprob
+    shared = [t for t in p_known if t in q_known]
+    kl = sum(math.exp(p_known[t]) * (p_known[t] - q_known[t]) for t in shared)
+    p_rest = max(1.0 - sum(math.exp(p_known[t]) for t in shared), 1e-12)
+    q_rest = max(1.0 - sum(math.exp(q_known[t]) for t in shared), 1e-12)
+    return max(kl + p_rest * math.log(p_rest / q_rest), 0.0)
 
 
 def greedy(engine: Engine, prompts: list[str], tokens: int) -> list[str]:
-    out = []
-    for p in prompts:
+    def one(p: str) -> str:
         r = engine.chat.completions.create(messages=[{"role": "user", "content": p}],
                                            max_tokens=tokens, temperature=0)
-        out.append(r.choices[0].message.content)
+        return r.choices[0].message.content
+
+    out: list = [None] * len(prompts)
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, one(prompts[i])))
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return out
+
+
+def cpu_name() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
 
 
 def main() -> None:
@@ -70,23 +113,36 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
     text = open(TEXT, encoding="utf-8").read()
-    sentences = [s.strip() + "." for s in text.split(".") if len(s.strip()) > 40][:13]
+    sentences = [s.strip() + "." for s in text.split(".") if len(s.strip()) > 40][: 20 - len(CHAT_PROMPTS)]
     prompts = CHAT_PROMPTS + sentences
 
-    results = {}
+    scored, outputs = {}, {}
     for opt in ["O0", *(args.opt or ["O1", "O2", "O3"])]:
-        engine = Engine(opt=opt, prefix_cache_mode="disable", verbose=False)
+        engine = Engine(opt=opt, max_num_sequence=8, verbose=False)
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
-        results[opt] = (perplexity(engine, ids, args.window), greedy(engine, prompts, args.tokens))
+        scored[opt] = score_windows(engine, ids, args.window)
+        outputs[opt] = greedy(engine, prompts, args.tokens)
         engine.shutdown()
 
-    ref_ppl, ref_out = results["O0"]
-    print(f"\nperplexity of {TEXT} ({len(ids)} tokens, windows of {args.window}); "
+    ref = scored["O0"]
+    ref_ppl = math.exp(-sum(lp.logprob for lp in ref) / len(ref))
+    results = {}
+    for opt, lps in scored.items():
+        results[opt] = Quality(
+            ppl=math.exp(-sum(lp.logprob for lp in lps) / len(lps)),
+            kl=sum(kl_divergence(p, q) for p, q in zip(ref, lps)) / len(lps),
+            top1=sum(p.top[0][0] == q.top[0][0] for p, q in zip(ref, lps)) / len(lps),
+            greedy_same=sum(a == b for a, b in zip(outputs[opt], outputs["O0"])))
+
+    print(f"\n{cpu_name()}; {TEXT}: {len(ref)} positions scored in windows of {args.window}; "
           f"greedy: {len(prompts)} prompts x {args.tokens} tokens")
-    print(f"{'opt':5} {'perplexity':>11} {'vs O0':>8} {'greedy = O0':>12}")
-    for opt, (ppl, out) in results.items():
-        same = sum(a == b for a, b in zip(out, ref_out))
-        print(f"{opt:5} {ppl:11.4f} {100 * (ppl / ref_ppl - 1):+7.2f}% {same:>5}/{len(prompts)}")
+    print(f"bar: perplexity within {BAR_PPL:.0%} of O0, mean KL <= {BAR_KL}, top-1 = O0 at >= {BAR_TOP1:.0%}")
+    print(f"{'opt':40} {'perplexity':>10} {'vs O0':>8} {'mean KL':>9} {'top-1 = O0':>10} "
+          f"{'greedy = O0':>11}  bar")
+    for opt, q in results.items():
+        print(f"{opt:40} {q.ppl:10.4f} {100 * (q.ppl / ref_ppl - 1):+7.2f}% {q.kl:9.5f} "
+              f"{100 * q.top1:9.2f}% {q.greedy_same:>7}/{len(prompts)}  "
+              f"{'meets' if q.meets_bar(ref_ppl) else 'misses'}")
 
 
 if __name__ == "__main__":

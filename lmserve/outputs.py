@@ -43,6 +43,9 @@ class RequestOutput:
     # time.monotonic() when the request first took part in a step (None before): the end of
     # its time in the queue.
     first_scheduled_time: Optional[float] = None
+    # ``prompt_logprobs``, once, with the first output after the prompt is scored: per prompt
+    # token its logprob given the tokens before it (None for the first, which has none).
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 @dataclass

@@ -341,6 +341,10 @@ class GenerationRequest(_Strict):
         """SamplingParams.logprobs: None, or how many top alternatives to report per token."""
         raise NotImplementedError
 
+    def _prompt_logprobs(self) -> Optional[int]:
+        """SamplingParams.prompt_logprobs: None, or how many top alternatives per prompt token."""
+        return None
+
     def _structured_outputs(self) -> Optional[StructuredOutputsParams]:
         """SamplingParams.structured_outputs: the constraint the request asks for, if any."""
         return self.structured_outputs.to_params() if self.structured_outputs else None
@@ -381,6 +385,7 @@ class GenerationRequest(_Strict):
         # SamplingParams' own defaults (whatever "disabled" means there) stay in charge.
         optional = dict(
             max_tokens=max_tokens,
+            prompt_logprobs=self._prompt_logprobs(),
             seed=self.seed,
             logit_bias=self.logit_bias,
             top_k=model.get("top_k") if self.top_k is None else self.top_k,
@@ -482,7 +487,10 @@ class CompletionRequest(GenerationRequest):
     """Body of ``POST /v1/completions``. A list of prompts gives ``n`` choices per prompt."""
 
     prompt: Prompt
-    echo: Optional[bool] = None  # prepend the prompt to each choice's text
+    # Prepend the prompt to each choice's text; with ``logprobs``, its tokens and their logprobs
+    # to the choice's logprobs (with ``max_tokens: 0``: score the prompt, generate nothing).
+    echo: Optional[bool] = None
+    max_tokens: Optional[Annotated[int, Field(ge=0)]] = None
     # OpenAI allows 5 here; we allow as many as for chat. Strict, so that chat's ``logprobs: true``
     # is refused rather than read as 1.
     logprobs: Optional[Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]] = None
@@ -492,12 +500,12 @@ class CompletionRequest(GenerationRequest):
         super()._check()
         if self.suffix is not None:
             raise InvalidRequestError("suffix is not supported", "suffix")
-        if self.echo and self.logprobs is not None:
-            # OpenAI would then score the prompt tokens too, which the engine does not compute.
-            raise InvalidRequestError("echo together with logprobs is not supported", "echo")
 
     def _logprobs(self) -> Optional[int]:
         return self.logprobs
+
+    def _prompt_logprobs(self) -> Optional[int]:
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> Union[list[str], list[list[int]]]:
         """The prompt as a list of prompts: strings, or token id lists."""
@@ -614,8 +622,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]  # token text -> logprob, per position
+    token_logprobs: list[Optional[float]]  # null for an echoed prompt's first token
+    top_logprobs: list[Optional[dict[str, float]]]  # token text -> logprob, per position
     text_offset: list[int]  # where each token starts in the choice's text
 
 

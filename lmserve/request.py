@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from lmserve.outputs import TokenLogprob
     from lmserve.sampling_params import SamplingParams
     from lmserve.structured.matcher import SequenceGrammar
 
@@ -27,13 +28,24 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    seqs: list["Sequence"] = field(default_factory=list)
+    seqs: list["Sequence"] = field(default_factory=list)  # the choices scheduled
     first_scheduled_time: Optional[float] = None  # time.monotonic() of its first step
+    # ``prompt_logprobs``: the first choice scores the prompt; the others wait here until it has
+    # (then they share its KV through the prefix cache). Entry i: prompt token i + 1's logprob.
+    deferred: list["Sequence"] = field(default_factory=list)
+    prompt_logprobs: list["TokenLogprob"] = field(default_factory=list)
+    prompt_logprobs_reported: bool = False
 
     @property
     def finished(self) -> bool:
         """Every choice has its finish reason (its pages may be freed later in the step)."""
-        return all(s.finish_reason is not None for s in self.seqs)
+        return not self.deferred and all(s.finish_reason is not None for s in self.seqs)
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Every prompt token after the first has its logprob (or none was asked)."""
+        return (self.params.prompt_logprobs is None
+                or len(self.prompt_logprobs) == len(self.prompt_token_ids) - 1)
 
 
 @dataclass(eq=False)
@@ -83,6 +95,11 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens that still need a forward pass."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It computes its request's prompt logprobs and has not finished (the first choice)."""
+        return self.index == 0 and not self.request.prompt_scored
 
     @property
     def is_decoding(self) -> bool:

@@ -232,6 +232,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     )
 
 
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> SampleResult:
+    """The raw logprob of ``targets[i]`` under row ``i`` of ``logits`` (``(N, V)``; ``targets``
+    ``(N,)`` int64) and the row's ``k`` most likely tokens: prompt logprobs."""
+    logprobs = logits.float().log_softmax(dim=-1)  # (N, V)
+    chosen = logprobs.gather(1, targets[:, None]).squeeze(1)  # (N,)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # (N, k) each
+    return SampleResult(token_ids=targets, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
 def _token_counts(
     rows: list[list[int]], vocab_size: int, device: Union[torch.device, str]
 ) -> torch.Tensor:

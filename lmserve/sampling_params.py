@@ -147,9 +147,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # strings that end a choice
     stop_token_ids: list[int] = field(default_factory=list)  # tokens that end a choice
     ignore_eos: bool = False  # keep generating past the model's end-of-sequence tokens
-    max_tokens: Optional[int] = None  # None generates until the context is full
+    max_tokens: Optional[int] = None  # None: until the context is full; 0: the prompt only
     min_tokens: int = 0  # no stop or eos token may be chosen before this many tokens
     logprobs: Optional[int] = None  # None: off; k: chosen token's logprob and k top alternatives
+    # None: off; k: each prompt token's logprob given the tokens before it, and the k most likely
+    # tokens at its position (vLLM's name; OpenAI's ``echo`` with ``logprobs``).
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     # The grammar the output must follow (JSON schema, regex, ...); it also ends the output.
@@ -180,7 +183,7 @@ class SamplingParams:
         self.stop_token_ids = _check_stop_token_ids(self.stop_token_ids)
         self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
         if self.max_tokens is not None:
-            self.max_tokens = _check_int("max_tokens", self.max_tokens, lo=1)
+            self.max_tokens = _check_int("max_tokens", self.max_tokens, lo=0)
         self.min_tokens = _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -188,6 +191,9 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, lo=0,
+                                              hi=MAX_LOGPROBS)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _check_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output

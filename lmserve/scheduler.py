@@ -44,10 +44,25 @@ class ScheduledChunk:
     def num_accepted(self) -> int:
         return len(self.accepted)
 
+    @property
+    def prompt_rows(self) -> range:
+        """Positions whose logit rows score the next prompt token (``prompt_logprobs``): those
+        of the chunk whose next prompt token has no logprob yet. They end where the sampled
+        row begins."""
+        seq = self.seq
+        if self.decode or not seq.scores_prompt:
+            return range(0)
+        end = min(seq.num_computed + self.num_tokens, seq.num_prompt_tokens - 1)
+        return range(max(seq.num_computed, len(seq.request.prompt_logprobs)), max(end, 0))
+
+    @property
+    def num_logits(self) -> int:
+        """Logit rows of the chunk: its prompt-scoring rows, then one per token sampled."""
+        return len(self.prompt_rows) + (1 + len(self.draft) if self.samples else 0)
+
     def seq_step(self) -> SeqStep:
         """The chunk as plain data: its tokens then its drafts (with the tree's shape unless
-        they are a chain), a logit row for each token sampled (the newest token's and one per
-        draft)."""
+        they are a chain), its logit rows (``num_logits``)."""
         start = self.seq.num_computed
         tokens = self.seq.token_ids[start : start + self.num_tokens]
         n = self.num_tokens
@@ -55,7 +70,7 @@ class ScheduledChunk:
             n + p for p in self.draft.parents]
         return SeqStep(start=start, token_ids=tokens + self.draft.token_ids,
                        page_table=list(self.seq.pages),
-                       num_logits=1 + len(self.draft) if self.samples else 0, tree_parents=tree,
+                       num_logits=self.num_logits, tree_parents=tree,
                        state_slot=self.seq.state_slot,
                        history_slots=tuple(self.seq.history_slots[: len(self.draft)]))
 

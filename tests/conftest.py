@@ -107,16 +107,18 @@ def run_concurrently(engine: Engine, prompts, params, delays=None) -> list[list[
 
 
 def churn_with_aborts(engine: AsyncEngine, n: int) -> None:
-    """``n`` requests of random prompts, lengths, sampling and ``n``, arriving over 0.2 s, a
-    third of them aborted after 0, 1 or 3 outputs (by leaving the stream); waits until the
-    engine is idle and checks that every request was answered and none is left."""
+    """``n`` requests of random prompts, lengths (0 too), sampling, ``n`` and prompt scoring,
+    arriving over 0.2 s, a third of them aborted after 0, 1 or 3 outputs (by leaving the
+    stream); waits until the engine is idle and checks that every request was answered and
+    none is left."""
     rng = random.Random(0)
     vocab = engine.tokenizer.vocab_size
 
     async def one(i: int) -> int:
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 60))]
-        params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 30),
-                                n=rng.choice([1, 1, 2]), seed=i)
+        params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(0, 30),
+                                n=rng.choice([1, 1, 2]), seed=i,
+                                prompt_logprobs=rng.choice([None, None, None, 1]))
         abort_after = rng.choice([None, None, 0, 1, 3])
         await asyncio.sleep(rng.random() * 0.2)
         seen = 0

@@ -217,6 +217,24 @@ def test_verbose_logs_the_plan_once_and_periodic_stats(tiny_model_dir, caplog, m
     assert caplog.text.count("max_num_sequence") == 1  # verbose=False logs nothing new
 
 
+def test_requests_beyond_the_batch_are_said_to_queue_once(tiny_model_dir, caplog):
+    """More concurrent requests than ``max_num_sequence``: one warning with the numbers and what
+    to do; as many as the batch holds: none."""
+    caplog.set_level("WARNING", logger="lmserve")
+    engine = Engine(tiny_model_dir, mode="local", verbose=False)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        run_together(engine, [[5, i] for i in range(4)], params)
+        assert "queueing" not in caplog.text
+        run_together(engine, [[5, i] for i in range(7)], params)
+        run_together(engine, [[6, i] for i in range(7)], params)
+    finally:
+        engine.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if "queueing" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "max_num_sequence=4 (mode local)" in warnings[0] and "--mode server" in warnings[0]
+
+
 def test_a_duplicate_request_id_is_refused_without_touching_the_first(tiny_model_dir):
     engine = Engine(tiny_model_dir, verbose=False)
     try:

@@ -4,6 +4,7 @@ from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
 from lmserve.request import Request, Sequence
+from lmserve.sampling_params import SamplingParams
 
 PS = 4  # tokens per page
 
@@ -14,7 +15,7 @@ def make(num_pages=8, cache=True):
 
 
 def seq(tokens: list[int]) -> Sequence:
-    return Sequence(Request("r", list(tokens), None), 0, list(tokens), None)
+    return Sequence(Request("r", list(tokens), SamplingParams()), 0, list(tokens), None)
 
 
 def test_lookahead_pages_for_drafts_are_rolled_back_to_the_verified_tokens():

@@ -71,7 +71,12 @@ def reply(prompt_ids: list[int], index: int) -> str:
 
 def scripted(request_id: str, prompt_ids: list[int], params: SamplingParams, finish: str = "length",
              stop_reason: Any = None) -> list[RequestOutput]:
-    """One character (= one token) per step for each choice, as the engine would report them."""
+    """One character (= one token) per step for each choice, as the engine would report them;
+    with ``max_tokens=0`` one step of empty deltas; prompt logprobs (-0.5 each) with the first."""
+    if params.max_tokens == 0:
+        return [RequestOutput(request_id, prompt_ids, [
+            SequenceDelta(i, "", [], None if params.logprobs is None else [], "length")
+            for i in range(params.n)], finished=True, prompt_logprobs=fake_prompt_logprobs(prompt_ids, params))]
     replies = [reply(prompt_ids, i) for i in range(params.n)]
     steps = max(len(r) for r in replies)
     outputs = []
@@ -88,7 +93,14 @@ def scripted(request_id: str, prompt_ids: list[int], params: SamplingParams, fin
             deltas.append(SequenceDelta(i, text[step], [token], logprobs, finish if last else None,
                                         stop_reason if last else None))
         outputs.append(RequestOutput(request_id, prompt_ids, deltas, finished=step == steps - 1))
+    outputs[0].prompt_logprobs = fake_prompt_logprobs(prompt_ids, params)
     return outputs
+
+
+def fake_prompt_logprobs(prompt_ids: list[int], params: SamplingParams) -> Optional[list]:
+    if params.prompt_logprobs is None:
+        return None
+    return [None] + [TokenLogprob(t, -0.5, [(t, -0.5)][: params.prompt_logprobs]) for t in prompt_ids[1:]]
 
 
 class FakeBackend:
@@ -375,6 +387,35 @@ def test_completion_logprobs_shape():
     assert [t for part in streamed for t in part] == lp.tokens
 
 
+def test_completion_echo_with_logprobs_scores_the_prompt():
+    """As lm-evaluation-harness's ``local-completions`` asks: the prompt's tokens and their
+    logprobs (the first has none) before the choice's own, text offsets over the echoed text."""
+    backend = FakeBackend()
+    response = completion_create(backend, prompt="Hi", echo=True, logprobs=1, max_tokens=0)
+    assert backend.calls[0][2].prompt_logprobs == 1 and backend.calls[0][2].max_tokens == 0
+    # null for the first token, as OpenAI's legacy API and vLLM send it (the openai package's
+    # types say float, but its client does not validate responses)
+    choice = response.choices[0]
+    assert (choice.text, choice.finish_reason) == ("Hi", "length")
+    assert choice.logprobs.tokens == ["\x01", "H", "i"]  # the BOS spelled as the fake spells it
+    assert choice.logprobs.token_logprobs == [None, -0.5, -0.5]
+    assert choice.logprobs.top_logprobs == [None, {"H": -0.5}, {"i": -0.5}]
+    assert choice.logprobs.text_offset == [0, 1, 2]
+
+    full = completion_create(prompt="Hi", echo=True, logprobs=1, n=2)
+    for choice in full.choices:
+        generated = reply([BOS, ord("H"), ord("i")], choice.index)
+        assert choice.text == "Hi" + generated
+        assert choice.logprobs.token_logprobs == [None, -0.5, -0.5] + [-0.25] * len(generated)
+        assert choice.logprobs.text_offset[3:] == list(range(2, 2 + len(generated)))
+    chunks = list(completion_create(prompt="Hi", echo=True, logprobs=1, n=2, stream=True))
+    firsts = {}
+    for chunk in chunks:
+        firsts.setdefault(chunk.choices[0].index, chunk.choices[0])
+    assert all(c.logprobs.tokens[:3] == ["\x01", "H", "i"] for c in firsts.values())
+    assert completion_create(echo=False, logprobs=1).choices[0].logprobs.token_logprobs[0] == -0.25
+
+
 def test_completion_echo_prepends_the_prompt():
     assert completion_create(echo=True).choices[0].text.startswith("Hello")
     assert completion_create(prompt=[72, 105], echo=True).choices[0].text.startswith("Hi")
@@ -386,7 +427,7 @@ def test_completion_echo_prepends_the_prompt():
     ({"suffix": "x"}, "suffix"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ["ok", "x" * 100]}, "prompt"),
-    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"logprobs": True}, "logprobs"),
 ])
 def test_bad_completion_requests_name_the_field(kwargs, param):

@@ -165,7 +165,10 @@ def test_completion_fields():
     assert completion_params().logprobs is None
     assert param_of(completion_params, logprobs=21) == "logprobs"
     assert param_of(completion_params, suffix="x") == "suffix"
-    assert param_of(completion_params, echo=True, logprobs=1) == "echo"
+    assert completion_params(echo=True, logprobs=2).prompt_logprobs == 2
+    assert completion_params(logprobs=2).prompt_logprobs is None
+    assert completion_params(echo=True, max_tokens=0).max_tokens == 0
+    assert param_of(completion_params, max_tokens=-1) == "max_tokens"
     assert param_of(completion_params, top_logprobs=1) == "top_logprobs"  # a chat field
     assert completion_params(echo=True, n=2, max_tokens=3).n == 2
 

@@ -94,3 +94,23 @@ def test_compiled_torch_path_matches_transformers(hf_builtin, prompts):
         assert_matches_transformers(engine, hf_builtin, prompts[:-1], 24)
     finally:
         engine.shutdown()
+
+
+@torch.inference_mode()
+def test_prompt_logprobs_match_transformers(reference_engine, hf_builtin, prompts):
+    """``prompt_logprobs``: every prompt token's logprob and the top 5 at its position are
+    transformers' from one forward pass over the prompt; the long prompt takes several prefill
+    chunks, and the prompts run in each other's company."""
+    params = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=5)
+    chosen = prompts[:2] + prompts[-1:]
+    outputs = concurrently(lambda p: list(reference_engine.generate(p, params)), chosen)
+    for prompt, outs in zip(chosen, outputs):
+        scored = outs[0].prompt_logprobs
+        assert len(scored) == len(prompt) and scored[0] is None
+        ref = torch.log_softmax(hf_builtin(torch.tensor([prompt])).logits[0].float(), -1)
+        for pos, lp in enumerate(scored[1:]):
+            assert lp.token_id == prompt[pos + 1]
+            assert abs(lp.logprob - ref[pos, lp.token_id].item()) < LOGPROB_TOL
+            fifth = ref[pos].topk(5).values[-1].item()
+            for tid, val in lp.top:
+                assert abs(val - ref[pos, tid].item()) < LOGPROB_TOL and val > fifth - LOGPROB_TOL

@@ -3,11 +3,12 @@
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
 from lmserve.request import Request, Sequence, SeqStatus
+from lmserve.sampling_params import SamplingParams
 from lmserve.scheduler import Scheduler
 
 
 def seq(name: str, prompt_len: int) -> Sequence:
-    req = Request(name, list(range(prompt_len)), params=None)
+    req = Request(name, list(range(prompt_len)), params=SamplingParams())
     s = Sequence(req, 0, list(range(prompt_len)), seed=None)
     req.seqs.append(s)
     return s

@@ -108,7 +108,7 @@ def test_the_scheduler_reserves_draft_slots_and_update_rolls_back_the_rejected()
     pool = PagePool(8)
     s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=16,
                   lookahead=lambda seqs, with_prefill: [3] * len(seqs))
-    a = Sequence(Request("a", list(range(7)), None), 0, list(range(7)), None)
+    a = Sequence(Request("a", list(range(7)), SamplingParams()), 0, list(range(7)), None)
     s.add(a)
     batch = s.schedule()
     assert batch.chunks[0].num_lookahead == 0  # prefilling: no drafts
@@ -131,8 +131,8 @@ def test_draft_slots_take_only_what_every_sequences_own_token_left():
     pool = PagePool(3)
     s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=16,
                   lookahead=lambda seqs, with_prefill: [4] * len(seqs))
-    a = Sequence(Request("a", list(range(3)), None), 0, list(range(3)), None)
-    b = Sequence(Request("b", list(range(4)), None), 0, list(range(4)), None)
+    a = Sequence(Request("a", list(range(3)), SamplingParams()), 0, list(range(3)), None)
+    b = Sequence(Request("b", list(range(4)), SamplingParams()), 0, list(range(4)), None)
     s.add(a)
     s.add(b)
     batch = s.schedule()  # a: 1 page, b: 1 page, 1 free
@@ -364,7 +364,7 @@ def test_draft_slots_are_trimmed_so_a_step_stays_within_the_chunk():
     pool = PagePool(64)
     s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=10,
                   lookahead=lambda seqs, with_prefill: [5, 1, 4][: len(seqs)])
-    seqs = [Sequence(Request(n, [1, 2], None), 0, [1, 2], None) for n in "abc"]
+    seqs = [Sequence(Request(n, [1, 2], SamplingParams()), 0, [1, 2], None) for n in "abc"]
     for q in seqs:
         s.add(q)
     batch = s.schedule()
@@ -411,7 +411,7 @@ def test_the_draft_cache_follows_the_target_and_only_complete_pages_are_cached()
     """Exact bookkeeping of the draft's KV count through drafting, rollback and free."""
     pool = PagePool(8)
     kv = KVCacheManager(pool, 4, RadixCache(pool, 4), with_draft=True)
-    s = Sequence(Request("a", list(range(9)), None), 0, list(range(9)), None)
+    s = Sequence(Request("a", list(range(9)), SamplingParams()), 0, list(range(9)), None)
     assert kv.allocate(s, 9, lookahead=3)  # positions 0..11
     s.num_computed, s.num_draft_computed = 9, 11  # the draft ran 2 drafts past the prompt
     kv.rollback(s)  # no draft accepted: the draft's KV past the verified tokens is void
@@ -419,7 +419,7 @@ def test_the_draft_cache_follows_the_target_and_only_complete_pages_are_cached()
     s.num_draft_computed = 7  # the draft is behind (steps without drafting)
     kv.cache(s)
     assert kv.prefix_cache.num_pages == 1  # only the page both caches hold in full
-    b = Sequence(Request("b", list(range(9)), None), 0, list(range(9)), None)
+    b = Sequence(Request("b", list(range(9)), SamplingParams()), 0, list(range(9)), None)
     kv.match_prefix(b)
     assert (b.num_computed, b.num_draft_computed) == (4, 4)  # cached pages are complete in both
     kv.free(s, recycle=True)
@@ -451,12 +451,12 @@ def test_admissions_leave_room_for_the_draft_slots_wished():
     pool = PagePool(64)
     s = Scheduler(KVCacheManager(pool, 4), max_num_sequence=4, prefill_chunk_size=10,
                   lookahead=lambda seqs, with_prefill: [4] * len(seqs))
-    a = Sequence(Request("a", [1, 2], None), 0, [1, 2], None)
+    a = Sequence(Request("a", [1, 2], SamplingParams()), 0, [1, 2], None)
     s.add(a)
     batch = s.schedule()
     a.token_ids.append(0)
     s.update(batch)
-    s.add(Sequence(Request("b", list(range(20)), None), 0, list(range(20)), None))
+    s.add(Sequence(Request("b", list(range(20)), SamplingParams()), 0, list(range(20)), None))
     batch = s.schedule()
     # a's token and its 4 draft slots leave 5 of the 10 tokens for b's first chunk.
     assert [(c.num_tokens, c.num_lookahead) for c in batch.chunks] == [(1, 4), (5, 0)]

@@ -55,9 +55,10 @@ class KVCacheManager:
         """Start a sequence without KV from the cached pages of its longest cached prefix
         (``seq.num_computed`` becomes the tokens reused); returns whether the cache was consulted.
 
-        The last token is never matched: its forward pass gives the logits to sample from.
+        The last token is never matched: its forward pass gives the logits to sample from. Nor
+        is a prompt being scored (``prompt_logprobs``): each of its tokens needs its logits.
         """
-        if seq.num_computed or seq.pages:
+        if seq.num_computed or seq.pages or seq.scores_prompt:
             return False
         if self.states is not None:
             return self._match_state(seq)

@@ -28,7 +28,7 @@ from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogp
 from lmserve.plan import make_plan, resolve_window
 from lmserve.protocol import InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
-from lmserve.sampler import SampleResult, SamplingBatch, sample
+from lmserve.sampler import SampleResult, SamplingBatch, sample, score_tokens
 from lmserve.spec.draft_model import draft_opt, read_draft_model
 from lmserve.spec.eagle import build_eagle_runner
 from lmserve.spec.eagle_heads import read_eagle_head
@@ -111,6 +111,7 @@ class EngineCore:
             # Batches started and not finished: (batch, its logits when ready, start time).
             self.in_flight: deque[tuple[Batch, Callable[[], torch.Tensor], float]] = deque()
             self.counters = _Counters()
+            self._said_queueing = False
             if self.group is not None:  # every rank is built, and this one is ready for steps
                 self.group.barrier()
         except BaseException:
@@ -160,6 +161,8 @@ class EngineCore:
             req.seqs.append(Sequence(req, i, list(prompt_token_ids), _seed(params, i),
                                      grammar=None if compiled is None
                                      else SequenceGrammar(compiled, params.structured_outputs.origin)))
+        if not req.prompt_scored:  # the first choice scores the prompt, then the others start
+            req.seqs, req.deferred = req.seqs[:1], req.seqs[1:]
         self.requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)
@@ -177,6 +180,8 @@ class EngineCore:
                 self.scheduler.finish(seq, recycle=not mid_step)
                 seq.finish_reason = "abort"
                 deltas.append(SequenceDelta(seq.index, "", [], None, "abort"))
+        deltas += [SequenceDelta(seq.index, "", [], None, "abort") for seq in req.deferred]
+        req.deferred = []
         return RequestOutput(request_id, req.prompt_token_ids, deltas, finished=True)
 
     def has_work(self) -> bool:
@@ -240,6 +245,9 @@ class EngineCore:
             if batch is None:
                 break
             self.in_flight.append(self._start(batch))
+        if not self._said_queueing and self.scheduler.waiting and (
+                len(self.scheduler.running) >= self.plan.max_num_sequence):
+            self._say_queueing()
         if not self.in_flight:
             return []
         batch, logits, started = self.in_flight.popleft()
@@ -260,6 +268,7 @@ class EngineCore:
         """Sample, append and update for a batch whose logits are in."""
         if any(c.seq.status is SeqStatus.FINISHED for c in batch.chunks):
             batch, logits = _without_aborted(batch, logits)
+        logits = self._score_prompts(batch, logits)
         new_tokens = self._sample(batch, logits)
         if self.runner.feature_layers is not None:
             self._observe(batch)
@@ -281,6 +290,17 @@ class EngineCore:
             self.group = None
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _say_queueing(self) -> None:
+        """Say once, with the numbers, that requests wait for a batch slot: a user of the
+        default mode (batch 4) who sends more at once should not be left guessing."""
+        self._said_queueing = True
+        hint = ("for many concurrent users use mode \"server\" (lmserve serve --mode server), "
+                "which sizes the batch to the memory" if self.plan.mode != "server"
+                else "--max-num-sequence sets a larger batch")
+        logger.warning("requests are queueing for a batch slot (%d waiting): max_num_sequence=%d "
+                       "(mode %s) runs at most %d at once; %s", len(self.scheduler.waiting),
+                       self.plan.max_num_sequence, self.plan.mode, self.plan.max_num_sequence, hint)
 
     def _build_runner(self, opt):
         """The target model's runner: a worker, or rank 0's part of a parallel one (every
@@ -313,6 +333,33 @@ class EngineCore:
         return StateManager(StateSlots(plan.state.num_slots), plan.state.history, snapshots,
                             every, align)
 
+    def _score_prompts(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs of the chunks that score their prompt and return the
+        other rows (those sampled from). Once a prompt is scored, its request's other choices
+        start."""
+        if not any(c.prompt_rows for c in batch.chunks):
+            return logits
+        sampled, row = [], 0
+        for c in batch.chunks:
+            positions, rows, req = c.prompt_rows, c.num_logits, c.seq.request  # (before they change)
+            n = len(positions)
+            if n:
+                if positions.start != len(req.prompt_logprobs):
+                    raise RuntimeError(f"request {req.request_id}: prompt logprobs from position "
+                                       f"{positions.start}, {len(req.prompt_logprobs)} scored")
+                targets = torch.tensor(req.prompt_token_ids[positions.start + 1 : positions.stop + 1])
+                result = score_tokens(logits[row : row + n], targets, req.params.prompt_logprobs)
+                req.prompt_logprobs += [_logprob(result, r, req.params.prompt_logprobs)
+                                        for r in range(n)]
+                if req.prompt_scored:
+                    for seq in req.deferred:
+                        req.seqs.append(seq)
+                        self.scheduler.add(seq)
+                    req.deferred = []
+            sampled += range(row + n, row + rows)
+            row += rows
+        return logits[sampled]
+
     def _sample(self, batch: Batch, logits: torch.Tensor) -> list[_NewTokens]:
         """Each sampling chunk's new tokens: a row per drafted position and one after, sampled
         as if the drafts before it were accepted; the drafts accepted and the target's token
@@ -341,7 +388,7 @@ class EngineCore:
         for c in chunks:
             c.accepted = c.draft.accept(sampled[row : row + len(c.draft) + 1])
             kept = [row] + [row + 1 + node for node in c.accepted]  # rows after each new token
-            logprobs = [_logprob(result, r, c.seq.request.params) for r in kept]
+            logprobs = [_logprob(result, r, c.seq.request.params.logprobs) for r in kept]
             new.append(_NewTokens(c.seq, [sampled[r] for r in kept],
                                   None if logprobs[0] is None else logprobs))
             row += len(c.draft) + 1
@@ -371,9 +418,12 @@ class EngineCore:
         by_request: dict[str, RequestOutput] = {}
         for seq, token_ids, logprobs in new_tokens:
             req = seq.request
-            out = by_request.setdefault(req.request_id, RequestOutput(
-                req.request_id, req.prompt_token_ids, [], False,
-                first_scheduled_time=req.first_scheduled_time))
+            out = by_request.get(req.request_id)
+            if out is None:
+                out = by_request[req.request_id] = RequestOutput(
+                    req.request_id, req.prompt_token_ids, [], False,
+                    first_scheduled_time=req.first_scheduled_time,
+                    prompt_logprobs=_take_prompt_logprobs(req))
             if out.error is not None:
                 continue  # an earlier choice of this request already failed it
             try:
@@ -405,7 +455,7 @@ def _without_aborted(batch: Batch, logits: torch.Tensor) -> tuple[Batch, torch.T
     (their pages are already free)."""
     chunks, rows, row = [], [], 0
     for c in batch.chunks:
-        n = 1 + len(c.draft) if c.samples else 0
+        n = c.num_logits
         if c.seq.status is not SeqStatus.FINISHED:
             chunks.append(c)
             rows += range(row, row + n)
@@ -443,9 +493,18 @@ def _generator(seed: Optional[int], position: int) -> Optional[torch.Generator]:
 _MASK64 = (1 << 64) - 1
 
 
-def _logprob(result: SampleResult, row: int, params: SamplingParams) -> Optional[TokenLogprob]:
-    if params.logprobs is None or result.logprobs is None:
+def _take_prompt_logprobs(req: Request) -> Optional[list[Optional[TokenLogprob]]]:
+    """The request's prompt logprobs (None first: the first token has no context) the first
+    time they are complete; None before, after, and when not asked for."""
+    if req.params.prompt_logprobs is None or req.prompt_logprobs_reported or not req.prompt_scored:
         return None
-    k = params.logprobs
+    req.prompt_logprobs_reported = True
+    return [None, *req.prompt_logprobs]
+
+
+def _logprob(result: SampleResult, row: int, k: Optional[int]) -> Optional[TokenLogprob]:
+    """Row ``row``'s token with its logprob and ``k`` top alternatives; None if ``k`` is None."""
+    if k is None or result.logprobs is None:
+        return None
     top = list(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
     return TokenLogprob(int(result.token_ids[row]), float(result.logprobs[row]), top)

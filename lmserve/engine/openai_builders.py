@@ -79,23 +79,36 @@ def chat_logprobs(logprobs: Sequence[TokenLogprob], token_bytes: TokenBytes) -> 
 
 
 def completion_logprobs(
-    logprobs: Sequence[TokenLogprob], token_bytes: TokenBytes, offsets: codecs.IncrementalDecoder, start: int
+    token_ids: Sequence[int], logprobs: Sequence[Optional[TokenLogprob]], token_bytes: TokenBytes,
+    offsets: codecs.IncrementalDecoder, start: int
 ) -> tuple[CompletionLogprobs, int]:
-    """OpenAI text completion logprobs for consecutive tokens of one choice.
+    """OpenAI text completion logprobs for consecutive tokens of one choice (a None entry: a
+    token without one, the first of an echoed prompt, is null as in OpenAI's API).
 
     ``start`` is the character offset of the first token in the choice's text; ``offsets``, the
     choice's UTF-8 decoder, carries a character split across tokens over to the next call.
     Returns the logprobs and the offset after the last token.
     """
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for lp in logprobs:
-        raw = token_bytes(lp.token_id)
+    for token_id, lp in zip(token_ids, logprobs):
+        raw = token_bytes(token_id)
         out.tokens.append(token_text(raw))
-        out.token_logprobs.append(_logprob(lp.logprob))
-        out.top_logprobs.append({token_text(token_bytes(t)): _logprob(v) for t, v in lp.top})
+        out.token_logprobs.append(None if lp is None else _logprob(lp.logprob))
+        out.top_logprobs.append(None if lp is None else
+                                {token_text(token_bytes(t)): _logprob(v) for t, v in lp.top})
         out.text_offset.append(start)
         start += len(offsets.decode(raw))
     return out, start
+
+
+def join_completion_logprobs(pieces: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
+    """Consecutive pieces of one choice's logprobs as one."""
+    return CompletionLogprobs(
+        tokens=[t for lp in pieces for t in lp.tokens],
+        token_logprobs=[v for lp in pieces for v in lp.token_logprobs],
+        top_logprobs=[top for lp in pieces for top in lp.top_logprobs],
+        text_offset=[o for lp in pieces for o in lp.text_offset],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,6 +246,8 @@ class CompletionStreamBuilder(_StreamBuilder):
 
     A request may hold several prompts, each run as its own engine request with ``n`` choices;
     choice ``i`` of prompt ``p`` is choice ``p * n + i`` of the response, as in OpenAI's API.
+    With ``echo``, a choice's first chunk starts with its prompt, and with ``logprobs`` too, with
+    the prompt's tokens and their logprobs (the engine's ``prompt_logprobs``).
     """
 
     def __init__(self, request_id: str, model: str, created: int, prompts: Sequence[CompletionPrompt], n: int,
@@ -242,6 +257,7 @@ class CompletionStreamBuilder(_StreamBuilder):
                          include_usage)
         self._prompts = {p.request_id: (i, p) for i, p in enumerate(prompts)}
         self._n = n
+        self._prompt_logprobs: dict[str, list[Optional[TokenLogprob]]] = {}  # by engine request
 
     def _chunk(self, choices: list[CompletionChoice], usage: Optional[Usage] = None) -> Completion:
         return Completion(id=self.request_id, created=self.created, model=self.model, choices=choices,
@@ -250,18 +266,27 @@ class CompletionStreamBuilder(_StreamBuilder):
     def add(self, output: RequestOutput) -> list[Completion]:
         """The chunks for one step's output. Raises ``RequestAborted`` on an aborted choice."""
         prompt_index, prompt = self._prompts[output.request_id]
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs[output.request_id] = output.prompt_logprobs
         chunks = []
         for delta in output.deltas:
             index = prompt_index * self._n + delta.index
             state, first = self._advance(index, delta)
-            # Logprobs never come with echo (refused: the prompt's own logprobs are not computed),
-            # so text offsets start at 0.
-            text = prompt.echo + delta.text if first and prompt.echo else delta.text
-            logprobs = None
+            text, pieces = delta.text, []
+            if first and prompt.echo is not None:
+                text = prompt.echo + text
+                scored = self._prompt_logprobs.get(output.request_id)
+                if scored is not None:
+                    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+                    pieces.append(completion_logprobs(output.prompt_token_ids, scored, self.token_bytes,
+                                                      utf8, 0)[0])
+                state.text_offset = len(prompt.echo)
             if delta.logprobs is not None:
-                logprobs, state.text_offset = completion_logprobs(
-                    delta.logprobs, self.token_bytes, state.utf8, state.text_offset)
-            if not (text or delta.logprobs or delta.finish_reason):
+                piece, state.text_offset = completion_logprobs(
+                    delta.token_ids, delta.logprobs, self.token_bytes, state.utf8, state.text_offset)
+                pieces.append(piece)
+            logprobs = join_completion_logprobs(pieces) if pieces else None
+            if not (text or logprobs or delta.finish_reason):
                 continue
             choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                       finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
@@ -343,14 +368,7 @@ class CompletionResponseBuilder(_ResponseBuilder):
         choices = []
         for parts in self._finished_parts():
             pieces = [p.logprobs for p in parts if p.logprobs is not None]
-            logprobs = None
-            if pieces:
-                logprobs = CompletionLogprobs(
-                    tokens=[t for lp in pieces for t in lp.tokens],
-                    token_logprobs=[v for lp in pieces for v in lp.token_logprobs],
-                    top_logprobs=[top for lp in pieces for top in lp.top_logprobs],
-                    text_offset=[o for lp in pieces for o in lp.text_offset],
-                )
+            logprobs = join_completion_logprobs(pieces) if pieces else None
             choices.append(CompletionChoice(
                 index=parts[0].index,
                 text="".join(p.text for p in parts),

@@ -47,6 +47,9 @@ class OutputProcessor:
                                        skip_special_tokens=p.skip_special_tokens),
                 StopChecker(p.stop, p.include_stop_str_in_output) if p.stop else None,
             )
+        if p.max_tokens == 0:  # the prompt only (echoed or scored): nothing is generated
+            seq.finish_reason = "length"
+            return SequenceDelta(seq.index, "", [], [] if logprobs is not None else None, "length")
         text, kept = "", 0
         for token_id in token_ids:
             text += self._append_one(seq, token_id)
