@@ -35,7 +35,7 @@ import torch
 
 from lmserve.attention.base import AttentionInput, AttentionShape
 from lmserve.attention.cpu_paged import CpuPagedBackend
-from lmserve.kernels.build import COMPILE_FLAGS
+from lmserve.kernels.build import compile_flags
 from lmserve.layers.blocks import BlockWeight
 from lmserve.layers.linear import BlockLinear
 
@@ -57,7 +57,7 @@ def build(kernel: str, rev: str, into: Path) -> ctypes.CDLL:
         text = (ROOT / path).read_text() if rev == "WORKTREE" else subprocess.run(
             ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
         (src / name).write_text(text)
-    subprocess.run(["g++", *COMPILE_FLAGS, str(src / f"{kernel}.cpp"), "-o", str(src / "k.so")], check=True)
+    subprocess.run(["g++", *compile_flags(), str(src / f"{kernel}.cpp"), "-o", str(src / "k.so")], check=True)
     return ctypes.CDLL(str(src / "k.so"))
 
 

@@ -441,6 +441,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``lmserve`` command line; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    from lmserve.kernels.build import selected_isa
+
+    try:
+        selected_isa()  # LMSERVE_ISA, checked before anything loads
+    except ValueError as err:
+        args.parser.error(str(err))
     return args.handler(args, args.parser)
 
 

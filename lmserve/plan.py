@@ -22,6 +22,7 @@ from lmserve.attention.window import AttentionWindow
 from lmserve.cache.kv import kv_bytes_per_head
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.layers.linear import FLOAT_DTYPES
+from lmserve.kernels.build import describe_kernels
 from lmserve.models.args import ModelArgs
 from lmserve.parallel.shard import check_shardable, shard_args
 from lmserve.parallel.stages import stage_layers
@@ -131,6 +132,7 @@ class EnginePlan:
             *([("per_rank", _describe_ranks(m))] if m.rank_weights else []),
             ("expected_memory", f"{_gib(m.total)} of a {_gib(m.budget)} budget "
                                 f"({_gib(m.device)} device)"),
+            ("kernels", describe_kernels()),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

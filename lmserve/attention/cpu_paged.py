@@ -40,7 +40,7 @@ def why_unsupported(shape: AttentionShape, kv_dtype: torch.dtype) -> Optional[st
         return "more than 16 query heads per KV head"
     if kv_dtype not in (torch.float32, torch.bfloat16, torch.int8):
         return f"KV cache dtype {kv_dtype} (the kernel reads float32, bfloat16 or int8)"
-    reason = why_unavailable()
+    reason = why_unavailable("paged_attention")
     if reason is None and _library() is None:
         reason = "the kernel failed to build (see the log)"
     if reason is None and kv_dtype == torch.int8 and not _library().lm_paged_attention_int8_kv():

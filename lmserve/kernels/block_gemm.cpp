@@ -1,9 +1,10 @@
+// lmserve-isa: avx512 avx2 neon
 // Matrix multiply with weights kept in GGUF-style blocks of 32 (4-bit or 8-bit codes with a
 // float32 scale and zero per block, or plain bf16): C (M, N) = A (M, K) @ W (N, K)^T.
 //
 // Each block of 32 weights is expanded in registers to bf16 (w = code * scale + zero, one
-// rounding) and multiplied with AVX-512 BF16 dot products (vdpbf16ps) into 16 float32 lanes,
-// then summed once at the end. Memory traffic is the packed codes (0.5 or 1 byte a weight), which
+// rounding) and multiplied with bf16 pair dot products (AVX-512 BF16's vdpbf16ps, or its
+// arithmetic in FMAs elsewhere) into 16 float32 lanes, then summed once at the end. Memory traffic is the packed codes (0.5 or 1 byte a weight), which
 // is what decode is bound by; prefill expands a strip of blocks once and reuses it in tiles.
 //
 // Every output element C[m, n] is accumulated over the K blocks in the same order and reduced
@@ -27,23 +28,32 @@ namespace {
 
 using namespace lm;
 
+// A block's 32 weights as bf16: round(code * scale + zero).
 template <int BITS>
-inline __m512bh expand(const uint8_t* codes, float scale, float zero) {
-  const __m512 s = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero);
+inline B64 expand(const uint8_t* codes, float scale, float zero) {
+  const F16 s = fset(scale), z = fset(zero);
   if constexpr (BITS == 4) {
+#if LM_AVX512
     // The 16 possible weights of the block, rounded to bf16 once, then looked up per code.
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(iota, s, z)));
+    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(fmadd(iota, s, z)));
     const __m128i b = _mm_loadu_si128((const __m128i*)codes);
     const __m128i nib = _mm_set1_epi8(0x0f);
     const __m256i idx8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), nib), _mm_and_si128(b, nib));
-    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx8), table);
+    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx8), table);
+#else
+    int8_t lo[16], hi[16];  // weights 0..15 in the low nibbles, 16..31 in the high ones
+    for (int i = 0; i < 16; ++i) {
+      lo[i] = (int8_t)(codes[i] & 0x0f);
+      hi[i] = (int8_t)(codes[i] >> 4);
+    }
+    return pack_bf16(fmadd(fload_i8(lo), s, z), fmadd(fload_i8(hi), s, z));
+#endif
   } else if constexpr (BITS == 16) {  // plain bf16 weights: nothing to expand
-    return (__m512bh)_mm512_loadu_si512(codes);
+    return bload(codes);
   } else {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)codes)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + 16))));
-    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s, z), _mm512_fmadd_ps(lo, s, z));
+    const int8_t* q = (const int8_t*)codes;
+    return pack_bf16(fmadd(fload_i8(q), s, z), fmadd(fload_i8(q + 16), s, z));
   }
 }
 
@@ -61,7 +71,7 @@ constexpr int kPack = 4;  // weight rows interleaved in memory
 
 // Expanded block g of weight row n.
 template <int BITS>
-inline __m512bh block(const Args& p, int n, int g) {
+inline B64 block(const Args& p, int n, int g) {
   const int64_t at = ((int64_t)(n / kPack) * (p.K / 32) + g);
   const float* c = p.consts + at * 2 * kPack + n % kPack;
   return expand<BITS>(p.codes + (at * kPack + n % kPack) * (BITS * 4), c[0], c[kPack]);
@@ -80,31 +90,30 @@ inline void store(const Args& p, int m, int n, float v) {
 template <int BITS, int MR, int NR>
 void tile(const Args& p, int m0, int n0, const uint16_t* expanded) {
   const int G = p.K / 32;
-  __m512 acc[MR][NR];
+  F16 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int r = 0; r < NR; ++r) acc[i][r] = fzero();
   for (int g = 0; g < G; ++g) {
-    __m512bh w[NR];
-    for (int r = 0; r < NR; ++r) w[r] = expanded ? (__m512bh)_mm512_loadu_si512(expanded + (r * G + g) * 32)
-                             : block<BITS>(p, n0 + r, g);
+    B64 w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = expanded ? bload(expanded + (r * G + g) * 32) : block<BITS>(p, n0 + r, g);
     for (int i = 0; i < MR; ++i) {
       const int64_t at = (int64_t)(m0 + i) * p.K + g * 32;
-      const __m512bh x = (__m512bh)_mm512_loadu_si512(p.a + at);
-      for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], x, w[r]);
+      const B64 x = bload(p.a + at);
+      for (int r = 0; r < NR; ++r) acc[i][r] = dpbf16(acc[i][r], x, w[r]);
       if (p.a_lo) {
-        const __m512bh lo = (__m512bh)_mm512_loadu_si512(p.a_lo + at);
-        for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], lo, w[r]);
+        const B64 lo = bload(p.a_lo + at);
+        for (int r = 0; r < NR; ++r) acc[i][r] = dpbf16(acc[i][r], lo, w[r]);
       }
     }
   }
   if constexpr (MR * NR == 16) {
-    alignas(64) float sums[16];
-    _mm512_store_ps(sums, reduce16x16(&acc[0][0]));
+    float sums[16];
+    fstore(sums, hsum16x16(&acc[0][0]));
     for (int i = 0; i < MR; ++i)
       for (int r = 0; r < NR; ++r) store(p, m0 + i, n0 + r, sums[i * NR + r]);
   } else {
     for (int i = 0; i < MR; ++i)
-      for (int r = 0; r < NR; ++r) store(p, m0 + i, n0 + r, reduce16(acc[i][r]));
+      for (int r = 0; r < NR; ++r) store(p, m0 + i, n0 + r, hsum(acc[i][r]));
   }
 }
 
@@ -136,7 +145,7 @@ void strip(const Args& p, int m0, int m_end, int n0) {
     buffer.resize((size_t)NR * G * 32);
     for (int r = 0; r < NR; ++r)
       for (int g = 0; g < G; ++g)
-        _mm512_storeu_si512(buffer.data() + (r * G + g) * 32, (__m512i)block<BITS>(p, n0 + r, g));
+        bstore(buffer.data() + (r * G + g) * 32, block<BITS>(p, n0 + r, g));
     expanded = buffer.data();
   }
   for (; m0 + MR <= m_end; m0 += MR) tile<BITS, MR, NR>(p, m0, n0, expanded);

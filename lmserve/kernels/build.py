@@ -3,8 +3,13 @@
 The kernels are plain C ABI functions over raw pointers, so they build in about a second with
 the system ``g++`` (no torch headers) and are called through ctypes with the GIL released. The
 shared object is cached under ``~/.cache/lmserve/kernels`` keyed by the source, the compiler
-flags and the CPU's feature flags (it is built with ``-march=native``). Any failure (no compiler,
-no AVX-512) leaves the kernels unavailable, and callers fall back to the torch path.
+flags and the CPU's feature flags.
+
+The one dispatch point: ``selected_isa()`` picks the instruction set every kernel is built for,
+the best this CPU has (AVX-512, AVX2, Arm64 NEON), or the one ``LMSERVE_ISA`` names. Each kernel
+source says which it supports on its first line (``// lmserve-isa: avx512 avx2 neon``); a kernel
+without the selected one, a missing compiler or a failed build leaves that kernel unavailable,
+and its callers fall back to the torch path (``kernel_paths`` says which op runs where).
 
 A process serving a model library (``lmserve.library``) loads the library's own builds instead
 (``use_prebuilt_kernels``) and never runs the compiler.
@@ -18,20 +23,87 @@ import hashlib
 import logging
 import os
 import re
+import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 logger = logging.getLogger("lmserve")
 
 _SOURCE_DIR = Path(__file__).parent
-# The flags every kernel is built with (benchmarks/kernel_ab.py builds other revisions alike).
-COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+# The flags every kernel is built with, before its ISA's (benchmarks/kernel_ab.py builds other
+# revisions alike).
+COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+ISA_ENV = "LMSERVE_ISA"
 # A model library's kernels directory: kernels not loaded yet come from there, never compiled.
 _prebuilt: Optional[Path] = None
+
+
+@dataclass(frozen=True)
+class Isa:
+    """An instruction set the kernels are built for."""
+
+    name: str
+    machine: str  # platform.machine() of the CPUs that run it
+    needs: tuple[str, ...]  # CPU feature flags it requires (/proc/cpuinfo names)
+    flags: tuple[str, ...]  # g++ flags that target it
+
+    def compile_flags(self, cpu: set[str]) -> list[str]:
+        """The flags for this CPU: the ISA's, plus the optional extensions it has."""
+        extra = [flag for feature, flag in _OPTIONAL.get(self.name, ()) if feature in cpu]
+        return [*self.flags, *extra]
+
+
+# Best first. AVX-512 builds for the CPU itself (its VNNI, BF16 and tuning); AVX2 for the x86-64
+# v3 level (Haswell, Zen 1 on), with AVX-VNNI where present; NEON for ARMv8.2 with dot products.
+ISAS = [
+    Isa("avx512", "x86_64", ("avx512f", "avx512bw", "avx512vl", "avx512dq"), ("-march=native",)),
+    Isa("avx2", "x86_64", ("avx2", "fma", "f16c"), ("-march=x86-64-v3", "-mtune=native")),
+    Isa("neon", "aarch64", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod",)),
+]
+# Extensions a build uses when the CPU has them: (cpu flag, g++ flag).
+_OPTIONAL = {"avx2": (("avx_vnni", "-mavxvnni"),), "neon": (("i8mm", "-march=armv8.2-a+dotprod+i8mm"),)}
+
+
+def supported_isas() -> list[Isa]:
+    """The instruction sets this CPU runs, best first."""
+    cpu, machine = cpu_flags(), platform.machine()
+    return [isa for isa in ISAS if isa.machine == machine and all(f in cpu for f in isa.needs)]
+
+
+@functools.cache
+def selected_isa() -> Optional[Isa]:
+    """The instruction set every kernel is built for: ``LMSERVE_ISA`` if set (refused, naming
+    the choices, when this CPU cannot run it), else the best this CPU has; None if none."""
+    supported = supported_isas()
+    wanted = os.environ.get(ISA_ENV)
+    if wanted:
+        match = [isa for isa in supported if isa.name == wanted]
+        if not match:
+            known = [isa.name for isa in ISAS]
+            raise ValueError(f"{ISA_ENV}={wanted!r}: " + (
+                f"this CPU runs {', '.join(i.name for i in supported) or 'none of them'}"
+                if wanted in known else f"unknown; the kernels are built for {', '.join(known)}"))
+        return match[0]
+    return supported[0] if supported else None
+
+
+def kernel_isas(name: str) -> list[str]:
+    """The instruction sets kernel ``name``'s source supports (its ``lmserve-isa:`` line)."""
+    with open(_SOURCE_DIR / f"{name}.cpp") as f:
+        for line in f:
+            if line.startswith("// lmserve-isa:"):
+                return line.split(":", 1)[1].split()
+    return []
+
+
+def compile_flags(isa: Optional[Isa] = None) -> list[str]:
+    """Every flag a kernel is built with for ``isa`` (None: the selected instruction set)."""
+    isa = isa or selected_isa()
+    return COMMON_FLAGS + (isa.compile_flags(cpu_flags()) if isa else [])
 
 
 def cache_dir() -> Path:
@@ -45,11 +117,11 @@ def kernel_names() -> list[str]:
     return sorted(p.stem for p in _SOURCE_DIR.glob("*.cpp"))
 
 
-def source_digest(name: str) -> str:
+def source_digest(name: str, isa: Optional[Isa] = None) -> str:
     """A digest of what kernel ``name`` is built from: its source, the headers, the flags."""
     source = (_SOURCE_DIR / f"{name}.cpp").read_bytes() + b"".join(
         h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h")))
-    return hashlib.sha256(source + " ".join(COMPILE_FLAGS).encode()).hexdigest()
+    return hashlib.sha256(source + " ".join(compile_flags(isa)).encode()).hexdigest()
 
 
 def cpu_flags() -> set[str]:
@@ -70,26 +142,52 @@ _GCC_TO_LINUX = {"bmi": "bmi1", "sha": "shani", "pclmul": "pclmulqdq", "rdrnd": 
 
 
 def native_isa() -> list[str]:
-    """The instruction sets of this CPU that ``-march=native`` lets g++ use, as Linux names
+    """The instruction sets of this CPU that the kernels' flags let g++ use, as Linux names
     them: what a kernel built here may execute, so what a CPU running it must have."""
-    listing = subprocess.run(["g++", "-march=native", "-Q", "--help=target"], capture_output=True,
+    target = [f for f in compile_flags() if f.startswith(("-march", "-mtune", "-mavx"))]
+    listing = subprocess.run(["g++", *target, "-Q", "--help=target"], capture_output=True,
                              text=True, check=True).stdout
     enabled = {re.sub(r"[-_.]", "", m) for m in re.findall(r"^\s+-m([\w.-]+)\s+\[enabled\]", listing, re.M)}
     enabled = {_GCC_TO_LINUX.get(name, name) for name in enabled}
     return sorted(f for f in cpu_flags() if re.sub(r"[-_.]", "", f) in enabled)
 
 
-def why_unavailable() -> Optional[str]:
-    """Why the kernels cannot be built here, or None if they can (or come from a model
-    library, which was checked against this CPU when it was opened)."""
+def why_unavailable(name: str, isa: Optional[Isa] = None) -> Optional[str]:
+    """Why kernel ``name`` cannot be built here for ``isa`` (None: the selected one), or None if
+    it can (or comes from a model library, checked against this CPU when it was opened)."""
     if _prebuilt is not None:
         return None
-    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in cpu_flags()]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
+    isa = isa or selected_isa()
+    if isa is None:
+        return (f"the CPU has none of the instruction sets the kernels are built for "
+                f"({', '.join(i.name for i in ISAS)})")
+    if isa.name not in kernel_isas(name):
+        return f"it has no {isa.name} version yet"
     if shutil.which("g++") is None:
         return "no g++ compiler on PATH"
     return None
+
+
+# The ops each kernel computes, for ``describe_kernels``.
+KERNEL_OPS = {"int8_gemm": "int8-activation matmuls", "block_gemm": "block and bf16 matmuls",
+              "paged_attention": "attention", "fused_ops": "norm and SiLU",
+              "ssm_decode": "recurrent decode", "shm_all_reduce": "tensor-parallel all-reduce"}
+
+
+def describe_kernels() -> str:
+    """Where each op runs on this machine, for the start-up log and ``lmserve plan``: the
+    selected instruction set, the C++ ops and the torch ones with why (a level that keeps
+    dense float weights, O0, runs its matmuls in torch whatever this says)."""
+    if _prebuilt is not None:
+        return f"C++ from the model library ({_prebuilt})"
+    isa = selected_isa()
+    runs = ", ".join(i.name for i in supported_isas()) or "none of " + ", ".join(i.name for i in ISAS)
+    head = f"{isa.name if isa else 'none'} (this CPU runs {runs}; {ISA_ENV} chooses)"
+    native = [op for name, op in KERNEL_OPS.items() if why_unavailable(name) is None]
+    torch_ops = [f"{op} ({why_unavailable(name)})" for name, op in KERNEL_OPS.items()
+                 if why_unavailable(name) is not None]
+    return "; ".join([head] + ([f"C++: {', '.join(native)}"] if native else [])
+                     + ([f"torch: {', '.join(torch_ops)}"] if torch_ops else []))
 
 
 def load_kernel_library(name: str, signatures: dict[str, list]) -> Optional[ctypes.CDLL]:
@@ -124,14 +222,14 @@ def _load(name: str) -> Optional[ctypes.CDLL]:
     return None if target is None else ctypes.CDLL(str(target))
 
 
-def build_kernel(name: str) -> Optional[Path]:
-    """The shared object of kernel ``name`` for this CPU, compiled unless cached; None (logged)
-    where it cannot be built."""
-    reason = why_unavailable()
+def build_kernel(name: str, isa: Optional[Isa] = None) -> Optional[Path]:
+    """The shared object of kernel ``name`` for this CPU and ``isa`` (None: the selected one),
+    compiled unless cached; None (logged) where it cannot be built."""
+    reason = why_unavailable(name, isa)
     if reason:
         logger.info("C++ kernel %s unavailable: %s; using the torch path", name, reason)
         return None
-    key = hashlib.sha256(source_digest(name).encode()
+    key = hashlib.sha256(source_digest(name, isa).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
@@ -139,7 +237,7 @@ def build_kernel(name: str) -> Optional[Path]:
         # Build beside the target and rename, so concurrent processes never load half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        cmd = ["g++", *COMPILE_FLAGS, str(_SOURCE_DIR / f"{name}.cpp"), "-o", tmp]
+        cmd = ["g++", *compile_flags(isa), str(_SOURCE_DIR / f"{name}.cpp"), "-o", tmp]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)

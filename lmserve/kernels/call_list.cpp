@@ -1,3 +1,4 @@
+// lmserve-isa: avx512 avx2 neon
 // Runs a list of kernel calls in one go, so a step's decoder layers cost one call from Python
 // instead of eight a layer (see layers/call_list.py and LlamaModel.layer_calls).
 //

@@ -1,3 +1,4 @@
+// lmserve-isa: avx512 avx2 neon
 // Element-wise steps of a decoder layer fused into one pass each, so a decode step does not pay
 // a handful of torch dispatches per layer for a few thousand numbers:
 //   lm_add_rms_norm: x += delta (the previous sublayer's output); out = rms_norm(x) * weight
@@ -26,13 +27,13 @@ void add_rms_norm(float* x, const In* delta, const float* weight, float eps, Out
       const In* d = delta + (int64_t)t * D;
       for (int i = 0; i < D; ++i) row[i] += to_f32(d[i]);
     }
-    __m512 sq = _mm512_setzero_ps();
+    F16 sq = fzero();
     int i = 0;
     for (; i + 16 <= D; i += 16) {
-      const __m512 v = _mm512_loadu_ps(row + i);
-      sq = _mm512_fmadd_ps(v, v, sq);
+      const F16 v = fload(row + i);
+      sq = fmadd(v, v, sq);
     }
-    float sum = reduce16(sq);
+    float sum = hsum(sq);
     for (; i < D; ++i) sum += row[i] * row[i];
     const float r = 1.0f / std::sqrt(sum / D + eps);
     Out* o = out + t * D;
@@ -48,10 +49,10 @@ void silu_mul(const In* gate_up, Out* out, int T, int F) {
     Out* o = out + t * F;
     int i = 0;
     for (; i + 16 <= F; i += 16) {
-      const __m512 gv = load16(g + i);
-      const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      alignas(64) float r[16];
-      _mm512_store_ps(r, _mm512_mul_ps(s, load16(u + i)));
+      const F16 gv = fload(g + i);
+      const F16 s = fdiv(gv, fadd(fset(1.f), exp16(fsub(fzero(), gv))));
+      float r[16];
+      fstore(r, fmul(s, fload(u + i)));
       for (int j = 0; j < 16; ++j) store_elem(o + i + j, r[j]);
     }
     for (; i < F; ++i) {

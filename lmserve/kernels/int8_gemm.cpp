@@ -1,6 +1,9 @@
+// lmserve-isa: avx512 avx2 neon
 // Matrix multiply of int8-quantized activations with weights in blocks of 32 (4-bit or 8-bit
-// unsigned codes, w = code * scale + zero): C (M, N) = A (M, K) @ W (N, K)^T, with AVX-512 VNNI
-// integer dot products (vpdpbusd: 64 multiply-adds an instruction, twice vdpbf16ps's 32).
+// unsigned codes, w = code * scale + zero): C (M, N) = A (M, K) @ W (N, K)^T, with integer dot
+// products of 4 bytes a lane (AVX-512 VNNI's vpdpbusd: 64 multiply-adds an instruction, twice
+// vdpbf16ps's 32; AVX-VNNI's on AVX2, or vpmaddubsw pairs, and sdot/usdot on Arm, elsewhere:
+// the same integer sums, so the same bits).
 //
 // A is quantized per row and block of 32 as llama.cpp's Q8 does: a' = d * q, q in [-127, 127],
 // d = max|a| / 127. With DIGITS = 2 the rounding error is quantized again in steps of d / 256,
@@ -43,32 +46,26 @@ struct Args {
   int M, N, K;
 };
 
-// Round to the nearest integer, ties to even, whatever the thread's MXCSR rounding mode says.
-inline __m512i round_to_int(__m512 x) {
-  return _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
 // 16 activations to int8 digits: q = round(x * inv) and, if q2, the remainder in 256ths of
 // d = 1 / inv. Returns the stored digits' sum per lane, q * 256 + q2 with two digits.
-inline __m512i quantize16(__m512 x, __m512 inv, __m512 d, int8_t* q, int8_t* q2) {
-  const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
-  __m512i qi = round_to_int(_mm512_mul_ps(x, inv));  // |x * inv| <= 127 by construction
-  __m512i ri = _mm512_setzero_si512();
+inline I16 quantize16(F16 x, F16 inv, F16 d, int8_t* q, int8_t* q2) {
+  const I16 lo = iset(-128), hi = iset(127);
+  I16 qi = round_to_int(fmul(x, inv));  // |x * inv| <= 127 by construction
+  I16 ri = izero();
   if (q2) {
-    const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qi), d, x);  // about [-d/2, d/2]
-    ri = round_to_int(_mm512_mul_ps(_mm512_mul_ps(rest, inv), _mm512_set1_ps(256.0f)));
-    // A remainder that rounds to +-128 carries into the first digit, so q2 fits in int8.
-    const __mmask16 up = _mm512_cmpgt_epi32_mask(ri, hi), down = _mm512_cmplt_epi32_mask(ri, lo);
-    qi = _mm512_mask_sub_epi32(_mm512_mask_add_epi32(qi, up, qi, _mm512_set1_epi32(1)), down, qi,
-                               _mm512_set1_epi32(1));
-    ri = _mm512_mask_add_epi32(_mm512_mask_sub_epi32(ri, up, ri, _mm512_set1_epi32(256)), down, ri,
-                               _mm512_set1_epi32(256));
-    ri = _mm512_max_epi32(_mm512_min_epi32(ri, hi), lo);
-    _mm_storeu_si128((__m128i*)q2, _mm512_cvtepi32_epi8(ri));
+    const F16 rest = fnmadd(to_float(qi), d, x);  // about [-d/2, d/2]
+    ri = round_to_int(fmul(fmul(rest, inv), fset(256.0f)));
+    // A remainder that rounds to +-128 carries into the first digit, so q2 fits in int8
+    // (the comparisons give -1 where true).
+    const I16 up = igt(ri, hi), down = igt(lo, ri);
+    qi = iadd(isub(qi, up), down);
+    ri = isub(iadd(ri, ishl<8>(up)), ishl<8>(down));
+    ri = imax(imin(ri, hi), lo);
+    store_i8(q2, ri);
   }
-  qi = _mm512_max_epi32(_mm512_min_epi32(qi, hi), lo);  // sums are of the stored digits
-  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8(qi));
-  return q2 ? _mm512_add_epi32(_mm512_slli_epi32(qi, 8), ri) : qi;
+  qi = imax(imin(qi, hi), lo);  // sums are of the stored digits
+  store_i8(q, qi);
+  return q2 ? iadd(ishl<8>(qi), ri) : qi;
 }
 
 // Quantize rows of A per block of 32 to one or two int8 digits; `a` is float32 or bf16.
@@ -81,32 +78,23 @@ void quantize(const T* a, int8_t* q, int8_t* q2, float* scale, float* sum, int M
   const int G = K / 32;
 #pragma omp for schedule(static)
   for (int64_t b = 0; b < (int64_t)M * G; ++b) {
-    const __m512 x0 = load16(a + b * 32), x1 = load16(a + b * 32 + 16);
-    const bool nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const F16 x0 = fload(a + b * 32), x1 = fload(a + b * 32 + 16);
+    const bool nan = any_nan(x0) || any_nan(x1);
+    const float amax = hmax(fmax(fabs16(x0), fabs16(x1)));
     const bool bad = nan || std::isinf(amax);
     float inv = amax > 0 ? 127.0f / amax : 0.0f;
     if (bad || !std::isfinite(inv)) inv = 0.0f;
     const float d = inv > 0 ? amax / 127.0f : 0.0f;
-    const __m512i s0 = quantize16(x0, _mm512_set1_ps(inv), _mm512_set1_ps(d), q + b * 32,
-                                  q2 ? q2 + b * 32 : nullptr);
-    const __m512i s1 = quantize16(x1, _mm512_set1_ps(inv), _mm512_set1_ps(d), q + b * 32 + 16,
-                                  q2 ? q2 + b * 32 + 16 : nullptr);
+    const I16 s0 = quantize16(x0, fset(inv), fset(d), q + b * 32, q2 ? q2 + b * 32 : nullptr);
+    const I16 s1 = quantize16(x1, fset(inv), fset(d), q + b * 32 + 16, q2 ? q2 + b * 32 + 16 : nullptr);
     scale[b] = bad ? NAN : q2 ? d / 256.0f : d;
-    sum[b] = scale[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(s0, s1));  // exact integer
+    sum[b] = scale[b] * (float)ihsum(iadd(s0, s1));  // exact integer
   }
 }
 
-inline __m512 load_consts(const Args& p, int64_t at) {  // 16 scales or zeros as float32
-  if (p.half_consts)
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p.consts + at)));
-  return _mm512_loadu_ps((const float*)p.consts + at);
-}
-
-inline __m512i broadcast4(const int8_t* p) {  // 4 activation bytes to every lane
-  int32_t v;
-  memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+inline F16 load_consts(const Args& p, int64_t at) {  // 16 scales or zeros as float32
+  if (p.half_consts) return fload_f16((const uint16_t*)p.consts + at);
+  return fload((const float*)p.consts + at);
 }
 
 // Asks for weight group j's block g (codes, then scales and zeros) in L2.
@@ -132,30 +120,32 @@ template <int BITS, int DIGITS, int MR, int NR, bool kAsk>
 void tile(const Args& p, int m0, int j0, int next_j) {
   const int G = p.K / 32;
   constexpr int V = BITS == 4 ? 4 : 8;  // weight vectors per block and 16 rows
-  __m512 acc[MR][NR];
+  F16 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int r = 0; r < NR; ++r) acc[i][r] = fzero();
+  // 4-bit codes are below 128 (cheaper products where they are emulated); 8-bit ones are not.
+  auto dot = [](I16 s, B64 w, B64 q) { return BITS == 4 ? dpbusd_small(s, w, q) : dpbusd(s, w, q); };
   for (int g = 0; g < G; ++g) {
     // Two integer accumulators per output vector: the two digits, or with one digit its even
     // and odd dot products (independent chains), combined exactly at the end of the block.
-    __m512i s0[MR][NR], s1[MR][NR];
+    I16 s0[MR][NR], s1[MR][NR];
     for (int i = 0; i < MR; ++i)
-      for (int r = 0; r < NR; ++r) s0[i][r] = s1[i][r] = _mm512_setzero_si512();
+      for (int r = 0; r < NR; ++r) s0[i][r] = s1[i][r] = izero();
     // One step: weight vectors wa, wb (NR each) against activation words at offsets oa, ob.
-    auto step = [&](const __m512i* wa, const __m512i* wb, int oa, int ob) {
+    auto step = [&](const B64* wa, const B64* wb, int oa, int ob) {
       for (int i = 0; i < MR; ++i) {
         const int64_t at = (int64_t)(m0 + i) * p.K + g * 32;
-        const __m512i qa = broadcast4(p.q + at + oa), qb = broadcast4(p.q + at + ob);
+        const B64 qa = broadcast4(p.q + at + oa), qb = broadcast4(p.q + at + ob);
         if constexpr (DIGITS == 1) {
           for (int r = 0; r < NR; ++r) {
-            s0[i][r] = _mm512_dpbusd_epi32(s0[i][r], wa[r], qa);
-            s1[i][r] = _mm512_dpbusd_epi32(s1[i][r], wb[r], qb);
+            s0[i][r] = dot(s0[i][r], wa[r], qa);
+            s1[i][r] = dot(s1[i][r], wb[r], qb);
           }
         } else {
-          const __m512i ra = broadcast4(p.q2 + at + oa), rb = broadcast4(p.q2 + at + ob);
+          const B64 ra = broadcast4(p.q2 + at + oa), rb = broadcast4(p.q2 + at + ob);
           for (int r = 0; r < NR; ++r) {
-            s0[i][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s0[i][r], wa[r], qa), wb[r], qb);
-            s1[i][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s1[i][r], wa[r], ra), wb[r], rb);
+            s0[i][r] = dot(dot(s0[i][r], wa[r], qa), wb[r], qb);
+            s1[i][r] = dot(dot(s1[i][r], wa[r], ra), wb[r], rb);
           }
         }
       }
@@ -165,45 +155,42 @@ void tile(const Args& p, int m0, int j0, int next_j) {
     if constexpr (kAsk)
       for (int r = 0; r < NR; ++r) prefetch_block<BITS>(p, next_j + r, g);
     for (int v = 0; v < 4; ++v) {
-      __m512i wa[NR], wb[NR];
+      B64 wa[NR], wb[NR];
       if constexpr (BITS == 4) {  // low nibbles: elements 4v.., high nibbles: 16+4v..
-        const __m512i nib = _mm512_set1_epi8(0x0f);
+        const B64 nib = bset8(0x0f);
         for (int r = 0; r < NR; ++r) {
-          const __m512i raw = _mm512_loadu_si512(w[r] + v * 64);
-          wa[r] = _mm512_and_si512(raw, nib);
-          wb[r] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+          const B64 raw = bload(w[r] + v * 64);
+          wa[r] = band(raw, nib);
+          wb[r] = bshr4(raw);
         }
         step(wa, wb, 4 * v, 16 + 4 * v);
       } else {  // vectors 2v and 2v+1: elements 8v.. and 8v+4..
         for (int r = 0; r < NR; ++r) {
-          wa[r] = _mm512_loadu_si512(w[r] + v * 128);
-          wb[r] = _mm512_loadu_si512(w[r] + v * 128 + 64);
+          wa[r] = bload(w[r] + v * 128);
+          wb[r] = bload(w[r] + v * 128 + 64);
         }
         step(wa, wb, 8 * v, 8 * v + 4);
       }
     }
     for (int r = 0; r < NR; ++r) {
       const int64_t k = ((int64_t)(j0 + r) * G + g) * 32;
-      const __m512 scale = load_consts(p, k), zero = load_consts(p, k + 16);
+      const F16 scale = load_consts(p, k), zero = load_consts(p, k + 16);
       for (int i = 0; i < MR; ++i) {
         const int64_t at = (int64_t)(m0 + i) * G + g;
-        const __m512i dot = DIGITS == 1 ? _mm512_add_epi32(s0[i][r], s1[i][r])
-                                        : _mm512_add_epi32(_mm512_slli_epi32(s0[i][r], 8), s1[i][r]);
-        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, _mm512_set1_ps(p.a_scale[at])),
-                                    acc[i][r]);
-        acc[i][r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(p.a_sum[at]), acc[i][r]);
+        const I16 sum = DIGITS == 1 ? iadd(s0[i][r], s1[i][r]) : iadd(ishl<8>(s0[i][r]), s1[i][r]);
+        acc[i][r] = fmadd(to_float(sum), fmul(scale, fset(p.a_scale[at])), acc[i][r]);
+        acc[i][r] = fmadd(zero, fset(p.a_sum[at]), acc[i][r]);
       }
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r) {
-      const int n0 = (j0 + r) * 16;
-      const __mmask16 keep = p.N - n0 >= 16 ? 0xffff : (__mmask16)((1u << (p.N - n0)) - 1);
+      const int n0 = (j0 + r) * 16, n = std::min(16, p.N - n0);
       const int64_t at = (int64_t)(m0 + i) * p.N + n0;
       if (p.out_bf16)
-        _mm256_mask_storeu_epi16((uint16_t*)p.c + at, keep, (__m256i)_mm512_cvtneps_pbh(acc[i][r]));
+        fstore_first((uint16_t*)p.c + at, acc[i][r], n);
       else
-        _mm512_mask_storeu_ps((float*)p.c + at, keep, acc[i][r]);
+        fstore_first((float*)p.c + at, acc[i][r], n);
     }
 }
 

@@ -1,3 +1,4 @@
+// lmserve-isa: avx512
 // Paged attention for CPUs with AVX-512: rotary embedding, KV-cache store and causal attention of
 // a flat batch of tokens in one call per layer.
 //

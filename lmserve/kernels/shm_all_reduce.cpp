@@ -1,3 +1,4 @@
+// lmserve-isa: avx512 avx2 neon
 // All-reduce (sum) between the tensor-parallel ranks of one host through shared memory
 // (parallel/all_reduce.py). gloo's loopback all-reduce costs tens of microseconds; a decode step
 // makes two per layer, so ranks on one host meet in a shared segment instead, as the CPU
@@ -48,7 +49,7 @@ bool wait_for(Header* h, int rank, int64_t g, int64_t timeout_ms) {
   std::atomic<int64_t>* r = h->round(rank);
   for (int spin = 0; spin < 4096; ++spin) {
     if (r->load(std::memory_order_acquire) >= g) return true;
-    _mm_pause();
+    lm::cpu_relax();
   }
   int64_t start = now_ns();
   for (;;) {  // a rank that is slow (or shares a core): give the core away while waiting
@@ -115,7 +116,7 @@ int64_t lm_shm_wait_above(void* counter, int64_t value, int64_t wait_ns) {
   for (int spin = 0; spin < 4096; ++spin) {
     int64_t seen = c->load(std::memory_order_acquire);
     if (seen > value) return seen;
-    _mm_pause();
+    lm::cpu_relax();
   }
   const int64_t start = now_ns();
   for (;;) {

@@ -1,3 +1,4 @@
+// lmserve-isa: avx512 avx2 neon
 // One decode token each of a batch of sequences through a Mamba / Mamba2 mixer's recurrent
 // parts, reading and writing each sequence's state in place in its slot (the torch path gathers
 // the states, updates the copies and scatters them back: three passes over state that is the

@@ -49,7 +49,7 @@ def _int8_library() -> Optional[ctypes.CDLL]:
 
 def _why_not_built(library, name: str) -> Optional[str]:
     """Why the kernel ``library()`` loads cannot be used here, or None."""
-    reason = why_unavailable()
+    reason = why_unavailable(name)
     if reason is None and library() is None:
         return f"the C++ {name} kernel could not be built or loaded (see the log)"
     return reason
@@ -58,21 +58,29 @@ def _why_not_built(library, name: str) -> Optional[str]:
 @functools.cache
 def block_kernel_unavailable() -> Optional[str]:
     """Why block weights cannot be used on this machine, or None."""
-    return _why_not_built(_library, "block")
+    return _why_not_built(_library, "block_gemm")
 
 
 @functools.cache
 def int8_kernel_unavailable() -> Optional[str]:
-    """Why int8/int16 activations cannot be used on this machine, or None (it needs AVX-512
-    VNNI, and the block kernel for the layers it does not take)."""
-    return block_kernel_unavailable() or _why_not_built(_int8_library, "int8")
+    """Why int8/int16 activations cannot be used on this machine, or None (they need the int8
+    kernel, and the block kernel for the layers it does not take)."""
+    return block_kernel_unavailable() or _why_not_built(_int8_library, "int8_gemm")
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it starting on a 64-byte boundary. BLAS picks its path by where a
+    weight starts: on Zen 4, torch's one-row ``F.linear`` gave other bits for a weight 56 bytes
+    off a boundary (a view into a file's buffer) than for the same weight aligned (as a model
+    library maps it), so the two ways of loading a model would not compute alike."""
+    return t if t.data_ptr() % 64 == 0 else t.clone()
 
 
 class DenseLinear:
     """``y = x @ W^T + b`` with W held dense in ``dtype``."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype):
-        self.weight = weight.to(dtype)
+        self.weight = aligned(weight.to(dtype))
         self.bias = None if bias is None else bias.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
