@@ -128,8 +128,9 @@ def attention(builds: dict, kv: str, reps: int) -> None:
         lib.lm_paged_attention(ptr(qkv.data_ptr()), ptr(cos.data_ptr()), ptr(sin.data_ptr()),
                                ptr(meta.slots.data_ptr()), ptr(q_buf.data_ptr()), ptr(kc.data_ptr()),
                                ptr(vc.data_ptr()), ptr(meta.pages.data_ptr()), ptr(meta.page_offset.data_ptr()),
-                               ptr(meta.context.data_ptr()), ptr(out.data_ptr()), T, H, KVH, HD, PAGE,
-                               ctypes.c_float(HD ** -0.5), KV_FLAGS[kv], 2)
+                               ptr(meta.context.data_ptr()), None, None, ptr(out.data_ptr()), T, H, KVH,
+                               HD, PAGE, ctypes.c_float(HD ** -0.5), KV_FLAGS[kv], 2,
+                               None, None, None, None, 0, 0)  # no draft tree, no window
 
     for label, qlens, ctxs in ATTENTION_BATCHES:
         order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(1)).tolist()

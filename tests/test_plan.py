@@ -4,7 +4,6 @@ import dataclasses
 import re
 
 import pytest
-import torch
 
 from lmserve.config import EngineConfig
 from lmserve.models.args import ModelArgs
@@ -120,20 +119,6 @@ def test_int8_kv_falls_back_to_bfloat16_on_pages_of_fewer_than_4_tokens(monkeypa
     kv_dtype = {page: make_plan(EngineConfig(opt="O3", kv_cache_page_size=page), _args(),
                                 device_memory=16 * GiB).kv_dtype for page in (2, 4)}
     assert kv_dtype == {2: "bfloat16", 4: "int8"}  # values go 4 tokens to a word
-
-
-def test_int8_kv_needs_vnni_but_bf16_kv_does_not(monkeypatch):
-    from lmserve.attention import cpu_paged
-    from lmserve.attention.base import AttentionShape
-
-    lib = cpu_paged._library()
-    if lib is None:
-        pytest.skip("the C++ attention kernel is unavailable here")
-    monkeypatch.setattr(lib, "lm_paged_attention_int8_kv", lambda: 0)  # a CPU without VNNI
-    shape = AttentionShape(4, 2, 16)
-    assert "VNNI" in cpu_paged.why_unsupported(shape, torch.int8)
-    assert cpu_paged.why_unsupported(shape, torch.bfloat16) is None
-    assert make_plan(EngineConfig(opt="O3"), _args(), device_memory=16 * GiB).kv_dtype == "bfloat16"
 
 
 def test_server_mode_fills_the_budget_with_kv():

@@ -1,4 +1,4 @@
-"""Paged attention with lmserve's C++ kernel (AVX-512): one call per layer does the rotary
+"""Paged attention with lmserve's C++ kernel: one call per layer does the rotary
 embedding, the KV-cache store and causal attention of every token over its own pages.
 
 Unlike the torch path it copies no KV: each query reads exactly the keys it attends, so the cost
@@ -23,13 +23,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 
 
 def _library() -> Optional[ctypes.CDLL]:
-    lib = load_kernel_library(
+    return load_kernel_library(
         "paged_attention", {"lm_paged_attention": [_P] * 13 + [_I] * 5 + [ctypes.c_float, _I, _I]
-                                                   + [_P] * 4 + [_I, _I],
-                            "lm_paged_attention_int8_kv": []})
-    if lib is not None:  # (load_kernel_library's functions return nothing; this one answers)
-        lib.lm_paged_attention_int8_kv.restype = ctypes.c_int
-    return lib
+                                                   + [_P] * 4 + [_I, _I]})
 
 
 def why_unsupported(shape: AttentionShape, kv_dtype: torch.dtype) -> Optional[str]:
@@ -43,8 +39,6 @@ def why_unsupported(shape: AttentionShape, kv_dtype: torch.dtype) -> Optional[st
     reason = why_unavailable("paged_attention")
     if reason is None and _library() is None:
         reason = "the kernel failed to build (see the log)"
-    if reason is None and kv_dtype == torch.int8 and not _library().lm_paged_attention_int8_kv():
-        reason = "the CPU lacks AVX512-VNNI, which an int8 KV cache's scores need"
     return reason
 
 

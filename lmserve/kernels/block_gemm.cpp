@@ -36,18 +36,13 @@ inline B64 expand(const uint8_t* codes, float scale, float zero) {
 #if LM_AVX512
     // The 16 possible weights of the block, rounded to bf16 once, then looked up per code.
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(fmadd(iota, s, z)));
+    const __m512i table = _mm512_castsi256_si512(to_bf16(fmadd(iota, s, z)));
     const __m128i b = _mm_loadu_si128((const __m128i*)codes);
     const __m128i nib = _mm_set1_epi8(0x0f);
     const __m256i idx8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), nib), _mm_and_si128(b, nib));
     return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx8), table);
-#else
-    int8_t lo[16], hi[16];  // weights 0..15 in the low nibbles, 16..31 in the high ones
-    for (int i = 0; i < 16; ++i) {
-      lo[i] = (int8_t)(codes[i] & 0x0f);
-      hi[i] = (int8_t)(codes[i] >> 4);
-    }
-    return pack_bf16(fmadd(fload_i8(lo), s, z), fmadd(fload_i8(hi), s, z));
+#else  // weights 0..15 in the low nibbles, 16..31 in the high ones
+    return pack_bf16(fmadd(fload_u4(codes, 0), s, z), fmadd(fload_u4(codes, 4), s, z));
 #endif
   } else if constexpr (BITS == 16) {  // plain bf16 weights: nothing to expand
     return bload(codes);

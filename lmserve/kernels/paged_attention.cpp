@@ -1,6 +1,6 @@
-// lmserve-isa: avx512
-// Paged attention for CPUs with AVX-512: rotary embedding, KV-cache store and causal attention of
-// a flat batch of tokens in one call per layer.
+// lmserve-isa: avx512 avx2 neon
+// Paged attention on the CPU: rotary embedding, KV-cache store and causal attention of a flat
+// batch of tokens in one call per layer, on simd.h's 16-lane vectors (the same bits on every ISA).
 //
 // Every query row is computed the same way whatever else is in the batch: its keys are visited
 // in blocks aligned to absolute positions (one KV page each), every dot product and every
@@ -80,21 +80,18 @@ constexpr int kValueExtra<int8_t> = 4;
 // as with a float cache: softmax_update), and codes 0 for x all zero or too small for
 // 127 / max|x| to be finite.
 inline float quantize_head(const float* x, int8_t* dst, int D) {
-  __m512 amax = _mm512_setzero_ps();
-  __mmask16 bad = 0;  // lanes that met a NaN or an infinity
+  F16 amax = fzero();
+  bool bad = false;  // met a NaN or an infinity
   for (int i = 0; i < D; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);  // inf - inf, NaN
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    const F16 v = fload(x + i);
+    bad |= any_nan(fsub(v, v));  // inf - inf, NaN
+    amax = fmax(amax, fabs16(v));
   }
-  const float m = _mm512_reduce_max_ps(amax);
+  const float m = hmax(amax);
   const float r = m > 0.f && !bad ? 127.f / m : 0.f;
-  const __m512 inv = _mm512_set1_ps(std::isfinite(r) ? r : 0.f);
-  for (int i = 0; i < D; i += 16) {  // |x * inv| <= 127: round to nearest even, then narrow
-    const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv),
-                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128((__m128i*)(dst + i), _mm512_cvtsepi32_epi8(q));
-  }
+  const F16 inv = fset(std::isfinite(r) ? r : 0.f);
+  for (int i = 0; i < D; i += 16)  // |x * inv| <= 127: round to nearest even, then narrow
+    store_i8_sat(dst + i, round_to_int(fmul(fload(x + i), inv)));
   return bad ? NAN : m / 127.f;
 }
 
@@ -145,13 +142,9 @@ void rope_and_store(const QKV* qkv, const float* cos, const float* sin, const in
         for (int i = 0; i < D; ++i) x[i] = to_f32(v[i]);
         Cache* vh = vc + (page * KVH + h) * (D + kValueExtra<Cache>) * page_size;
         const float v_scale = quantize_head(x, codes, D);
-        // This key's byte (offset % 4) of each word of its row: 16 dimensions a masked store.
+        // This key's byte (offset % 4) of each word of its row.
         Cache* row = vh + (offset / 4) * 4 * D;
-        const __mmask64 byte = 0x1111111111111111ull << (offset % 4);
-        for (int i = 0; i < D; i += 16) {
-          const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + i)));
-          _mm512_mask_storeu_epi8(row + 4 * i, byte, _mm512_slli_epi32(c, 8 * (offset % 4)));
-        }
+        for (int i = 0; i < D; ++i) row[4 * i + offset % 4] = codes[i];
         ((float*)(vh + D * page_size))[offset] = v_scale;
       } else {
         rotate_head(src + (H + h) * D, c, s, kh + offset, D, page_size);
@@ -178,23 +171,22 @@ constexpr int kMaxRows = 16;  // query rows (tokens x heads of one KV head) shar
 template <int kRows = 4, typename KeyDim>
 inline void block_scores(const float* const* qr, int DV, float scale, KeyDim key_dim,
                          float (*out)[16], int rows) {
-  __m512 part[kRows][4];
+  F16 part[kRows][4];
   for (int i = 0; i < kRows; ++i)
-    for (int u = 0; u < 4; ++u) part[i][u] = _mm512_setzero_ps();
+    for (int u = 0; u < 4; ++u) part[i][u] = fzero();
   for (int d = 0; d < 16 * DV; d += 4)
     for (int u = 0; u < 4; ++u) {
-      const __m512 k = key_dim(d + u);
-      for (int i = 0; i < kRows; ++i) part[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(qr[i][d + u]), k, part[i][u]);
+      const F16 k = key_dim(d + u);
+      for (int i = 0; i < kRows; ++i) part[i][u] = fmadd(fset(qr[i][d + u]), k, part[i][u]);
     }
   for (int i = 0; i < rows; ++i) {
-    const __m512 dots = _mm512_add_ps(_mm512_add_ps(part[i][0], part[i][1]),
-                                      _mm512_add_ps(part[i][2], part[i][3]));
-    _mm512_store_ps(out[i], _mm512_mul_ps(dots, _mm512_set1_ps(scale)));
+    const F16 dots = fadd(fadd(part[i][0], part[i][1]), fadd(part[i][2], part[i][3]));
+    fstore(out[i], fmul(dots, fset(scale)));
   }
 }
 
 // The query of a row against an int8 cache: its codes (as quantize_head) plus 128, four to a
-// word (vpdpbusd multiplies unsigned bytes with signed ones); returns its scale.
+// word (dpbusd multiplies unsigned bytes with signed ones); returns its scale.
 inline float query_words(const float* q, uint32_t* words, int D) {
   alignas(64) int8_t codes[kMaxD];
   const float scale = quantize_head(q, codes, D);
@@ -210,20 +202,20 @@ template <int kRows = 4, typename KeyQuad>
 inline void block_scores_q8(const uint32_t* const* qw, const float* q_scale, int D, float scale,
                             const float* key_scales, const int32_t* key_sums, KeyQuad key_quad,
                             float (*out)[16], int rows) {
-  __m512i part[kRows][2];
-  for (int i = 0; i < kRows; ++i) part[i][0] = part[i][1] = _mm512_setzero_si512();
+  I16 part[kRows][2];
+  for (int i = 0; i < kRows; ++i) part[i][0] = part[i][1] = izero();
   for (int e = 0; e < D / 4; e += 2)
     for (int u = 0; u < 2; ++u) {
-      const __m512i k = key_quad(e + u);
+      const B64 k = key_quad(e + u);
       for (int i = 0; i < kRows; ++i)
-        part[i][u] = _mm512_dpbusd_epi32(part[i][u], _mm512_set1_epi32((int)qw[i][e + u]), k);
+        part[i][u] = dpbusd(part[i][u], broadcast4((const int8_t*)&qw[i][e + u]), k);
     }
-  const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(key_sums), 7);  // 128 * sum
-  const __m512 ks = _mm512_loadu_ps(key_scales);
+  const I16 offset = ishl<7>(iload(key_sums));  // 128 * sum
+  const F16 ks = fload(key_scales);
   for (int i = 0; i < rows; ++i) {
-    const __m512i dots = _mm512_sub_epi32(_mm512_add_epi32(part[i][0], part[i][1]), offset);
-    const __m512 f = _mm512_mul_ps(ks, _mm512_set1_ps(q_scale[i] * scale));
-    _mm512_store_ps(out[i], _mm512_mul_ps(_mm512_cvtepi32_ps(dots), f));
+    const I16 dots = isub(iadd(part[i][0], part[i][1]), offset);
+    const F16 f = fmul(ks, fset(q_scale[i] * scale));
+    fstore(out[i], fmul(to_float(dots), f));
   }
 }
 
@@ -232,57 +224,55 @@ inline void block_scores_q8(const uint32_t* const* qw, const float* q_scale, int
 // factor the row's earlier weighted values are scaled by. A live score of NaN or +infinity (a
 // NaN or infinite query or key) makes the row NaN from here on, as torch's softmax would: the
 // max of 16 lanes with a NaN depends on its lane, which once let such a key zero parts of rows.
-inline float softmax_update(float* s, __mmask16 live, float& m, float& l) {
-  const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_load_ps(s));
-  if (_mm512_cmp_ps_mask(sv, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ) || std::isnan(m)) {
+inline float softmax_update(float* s, uint16_t live, float& m, float& l) {
+  const F16 sv = fselect(live, fload(s), fset(-INFINITY));
+  if (any_not_below(sv, INFINITY) || std::isnan(m)) {
     m = l = NAN;
-    _mm512_store_ps(s, _mm512_set1_ps(NAN));
+    fstore(s, fset(NAN));
     return NAN;
   }
-  const float m_new = std::max(m, _mm512_reduce_max_ps(sv));
-  const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+  const float m_new = std::max(m, hmax(sv));
+  const F16 p = fselect(live, exp16(fsub(sv, fset(m_new))), fzero());
   const float alpha = m == -INFINITY ? 0.f : std::exp(m - m_new);
-  l = std::fma(l, alpha, _mm512_reduce_add_ps(p));  // fused at every inlined site alike
+  l = std::fma(l, alpha, hsum(p));  // fused at every inlined site alike
   m = m_new;
-  _mm512_store_ps(s, p);
+  fstore(s, p);
   return alpha;
 }
 
 // With an int8 cache a row's weights (those live) are multiplied by their keys' value
 // scales before they weight the value codes, the rest set to 0 (a later key's NaN scale must not
 // reach the row); l keeps the plain weights.
-inline void scale_weights(float* p, __mmask16 live, const float* value_scales) {
-  _mm512_store_ps(p, _mm512_maskz_mul_ps(live, _mm512_load_ps(p), _mm512_load_ps(value_scales)));
+inline void scale_weights(float* p, uint16_t live, const float* value_scales) {
+  fstore(p, fselect(live, fmul(fload(p), fload(value_scales)), fzero()));
 }
 
 // A row's weights of one block on an int8 cache (scale_weights done; zero past its keys) as
-// 16-bit codes in 65535ths of the largest, for vpdpbusd (unsigned bytes) against the value codes:
+// 16-bit codes in 65535ths of the largest, for dpbusd (unsigned bytes) against the value codes:
 // words[g] holds the high bytes of keys 4g..4g+3, words[4 + g] their low bytes. (One byte in
 // 255ths rounded the small weights of long contexts coarsely: O3's perplexity +0.73% against
 // +0.45%.) Returns the weight of one step: NaN if a weight is (a NaN value scale or softmax), so
 // the row's output is; the codes are all 0, so the block adds nothing, if every weight is 0 or
 // too small for 65535 / max to be finite.
 inline float weight_words(const float* p, uint32_t* words) {
-  const __m512 w = _mm512_load_ps(p);
-  const bool nan = _mm512_cmp_ps_mask(w, w, _CMP_UNORD_Q);
-  const float w_max = _mm512_reduce_max_ps(w);
+  const F16 w = fload(p);
+  const bool nan = any_nan(w);
+  const float w_max = hmax(w);
   const float r = !nan && w_max > 0.f ? 65535.f / w_max : 0.f;
-  const __m512i codes = _mm512_cvt_roundps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(std::isfinite(r) ? r : 0.f)),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512i c = _mm512_min_epu32(codes, _mm512_set1_epi32(65535));  // w <= w_max: a no-op (NaN: step is NaN)
-  _mm_storeu_si128((__m128i*)words, _mm512_cvtepi32_epi8(_mm512_srli_epi32(c, 8)));
-  _mm_storeu_si128((__m128i*)(words + 4), _mm512_cvtepi32_epi8(c));
+  const I16 codes = round_to_int(fmul(w, fset(std::isfinite(r) ? r : 0.f)));
+  const I16 c = imin_u(codes, iset(65535));  // w <= w_max: a no-op (NaN: step is NaN)
+  store_i8((int8_t*)words, ishr<8>(c));
+  store_i8((int8_t*)(words + 4), c);
   return nan ? NAN : w_max / 65535.f;
 }
 
 // A row's weighted values over one block on an int8 cache: acc[16 d ..] = acc * alpha + (the
 // exact integer sums of the weight words times the value quads) * step, for the dn vectors of 16
 // dimensions from d0 (dots[d] holds the integer sums of vector d0 + d).
-inline void add_value_dots(float* acc, float alpha, float step, const __m512i* dots, int d0, int dn) {
+inline void add_value_dots(float* acc, float alpha, float step, const I16* dots, int d0, int dn) {
   for (int d = 0; d < dn; ++d) {
     float* a = acc + 16 * (d0 + d);
-    _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[d]), _mm512_set1_ps(step),
-                                       _mm512_mul_ps(_mm512_load_ps(a), _mm512_set1_ps(alpha))));
+    fstore(a, fmadd(to_float(dots[d]), fset(step), fmul(fload(a), fset(alpha))));
   }
 }
 
@@ -293,20 +283,20 @@ inline void add_value_dots(float* acc, float alpha, float step, const __m512i* d
 // rows, whose 4 x dn accumulators are independent chains.
 template <typename ValueRow>
 inline void value_dots(const uint32_t (*w)[8], const bool* live, int quads, ValueRow value_row,
-                       int d0, int dn, __m512i (*dots)[4]) {
+                       int d0, int dn, I16 (*dots)[4]) {
   for (int r = 0; r < 4; ++r)
-    for (int d = 0; d < dn; ++d) dots[r][d] = _mm512_setzero_si512();
+    for (int d = 0; d < dn; ++d) dots[r][d] = izero();
   for (int byte = 0; byte < 2; ++byte) {  // high bytes, times 256, then low bytes
     for (int r = 0; r < 4; ++r)
-      for (int d = 0; d < dn; ++d) dots[r][d] = _mm512_slli_epi32(dots[r][d], 8);
+      for (int d = 0; d < dn; ++d) dots[r][d] = ishl<8>(dots[r][d]);
     for (int g = 0; g < quads; ++g) {
-      __m512i v[4];
-      for (int d = 0; d < dn; ++d) v[d] = _mm512_loadu_si512(value_row(g) + 16 * (d0 + d));
+      B64 v[4];
+      for (int d = 0; d < dn; ++d) v[d] = bload(value_row(g) + 16 * (d0 + d));
       // Rows loop to 4 (guarded) so that the compiler unrolls them: dots stays in registers.
       for (int r = 0; r < 4; ++r) {
         if (!live[r]) continue;
-        const __m512i p = _mm512_set1_epi32((int)w[r][4 * byte + g]);
-        for (int d = 0; d < dn; ++d) dots[r][d] = _mm512_dpbusd_epi32(dots[r][d], p, v[d]);
+        const B64 p = broadcast4((const int8_t*)&w[r][4 * byte + g]);
+        for (int d = 0; d < dn; ++d) dots[r][d] = dpbusd(dots[r][d], p, v[d]);
       }
     }
   }
@@ -395,12 +385,12 @@ struct Window {
   int lowest(int ctx) const { return size ? std::max(0, ctx - size) : 0; }
   int sink_end(int ctx) const { return std::min(sinks, lowest(ctx)); }
   // The lanes of the block of 16 keys from `start` a token with `ctx` keys sees.
-  __mmask16 visible(int start, int ctx) const {
+  uint16_t visible(int start, int ctx) const {
     auto lanes = [&](int lo, int hi) {  // keys [lo, hi) of the block as lanes
       lo = std::max(lo, start) - start, hi = std::min(hi, start + 16) - start;
       return hi > lo ? (uint32_t)(((1ull << hi) - 1) & ~((1ull << lo) - 1)) : 0u;
     };
-    return (__mmask16)(lanes(0, sink_end(ctx)) | lanes(lowest(ctx), ctx));
+    return (uint16_t)(lanes(0, sink_end(ctx)) | lanes(lowest(ctx), ctx));
   }
 };
 
@@ -461,13 +451,12 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, PageTable pa
       int run;
       if (at >= gap_lo && at < gap_hi) {  // zeros, never another sequence's KV or a gone page
         run = std::min(n - j, (int)(gap_hi - at));
-        const __mmask16 lanes = (__mmask16)(((1u << run) - 1) << j);
         if constexpr (kInt8) {
-          for (int e = 0; e < D / 4; ++e) _mm512_mask_storeu_epi32(kq[e], lanes, _mm512_setzero_si512());
+          for (int e = 0; e < D / 4; ++e) memset(kq[e] + j, 0, sizeof(uint32_t) * run);
           for (int i = j; i < j + run; ++i) k_scales[i] = v_scales[i] = 0.f, k_sums[i] = 0;
           for (int g = j / 4; g < (j + run) / 4; ++g) memset(vq[g], 0, sizeof(uint32_t) * D);
         } else {
-          for (int d = 0; d < D; ++d) _mm512_mask_storeu_ps(kt[d], lanes, _mm512_setzero_ps());
+          for (int d = 0; d < D; ++d) fstore_first(kt[d] + j, fzero(), run);
           for (int i = j; i < j + run; ++i) memset(vf[i], 0, sizeof(float) * D);
         }
         j += run;
@@ -483,14 +472,12 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, PageTable pa
       const int64_t page_id = pages[at / page_size];
       const int offset = (int)(at % page_size);
       const Cache* kh = kc + (page_id * KVH + kvh) * k_head;
-      const __mmask16 lanes = (__mmask16)((1u << run) - 1);
       if constexpr (kInt8) {
         // Keys: rows of 4 * page_size bytes, codes by 4 dimensions, then scales, then code sums.
         const uint32_t* rows = (const uint32_t*)kh + offset;
-        for (int e = 0; e < D / 4; ++e)
-          _mm512_mask_storeu_epi32(kq[e] + j, lanes, _mm512_maskz_loadu_epi32(lanes, rows + (int64_t)e * page_size));
-        _mm512_mask_storeu_ps(k_scales + j, lanes, _mm512_maskz_loadu_ps(lanes, (const float*)(rows + (int64_t)(D / 4) * page_size)));
-        _mm512_mask_storeu_epi32(k_sums + j, lanes, _mm512_maskz_loadu_epi32(lanes, rows + (int64_t)(D / 4 + 1) * page_size));
+        for (int e = 0; e < D / 4; ++e) copy_words(kq[e] + j, rows + (int64_t)e * page_size, run);
+        copy_words(k_scales + j, rows + (int64_t)(D / 4) * page_size, run);
+        copy_words(k_sums + j, rows + (int64_t)(D / 4 + 1) * page_size, run);
         // Values: rows of D words (one per 4 keys: a run holds whole rows), then scales.
         const Cache* vh = vc + (page_id * KVH + kvh) * v_head;
         if (!(tree_start >= 0 && start + j >= tree_start)) {  // runs start at a row (4 keys)
@@ -503,21 +490,20 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, PageTable pa
         memcpy(v_scales + j, vh + (int64_t)D * page_size + 4 * offset, sizeof(float) * run);
       } else {
         for (int d = 0; d < D; ++d)
-          _mm512_mask_storeu_ps(kt[d] + j, lanes, load16_masked(kh + (int64_t)d * page_size + offset, lanes));
+          fstore_first(kt[d] + j, fload_first(kh + (int64_t)d * page_size + offset, run), run);
         for (int i = 0; i < run; ++i) {
           const Cache* v = vc + ((page_id * page_size + offset + i) * KVH + kvh) * D;
-          for (int d = 0; d < DV; ++d) _mm512_store_ps(vf[j + i] + 16 * d, load16(v + 16 * d));
+          for (int d = 0; d < DV; ++d) fstore(vf[j + i] + 16 * d, fload(v + 16 * d));
         }
       }
       j += run;
     }
     if (n < 16) {  // keys past the end score zero (then masked), never garbage
-      const __mmask16 past = (__mmask16)(0xffffu << n);
       if constexpr (kInt8) {
-        for (int e = 0; e < D / 4; ++e) _mm512_mask_storeu_epi32(kq[e], past, _mm512_setzero_si512());
+        for (int e = 0; e < D / 4; ++e) memset(kq[e] + n, 0, sizeof(uint32_t) * (16 - n));
         for (int j = n; j < 16; ++j) k_scales[j] = v_scales[j] = 0.f, k_sums[j] = 0;
       } else {
-        for (int d = 0; d < D; ++d) _mm512_mask_storeu_ps(kt[d], past, _mm512_setzero_ps());
+        for (int d = 0; d < D; ++d) fstore_first(kt[d] + n, fzero(), 16 - n);
       }
     }
     // Three passes over the rows (scores, softmax update, weighted values) rather than one row
@@ -526,7 +512,7 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, PageTable pa
     alignas(64) float pj[kMaxRows][16];
     float alpha[kMaxRows];
     int n_row[kMaxRows];  // keys of the block up to the row's last one seen (0: none)
-    __mmask16 live[kMaxRows];
+    uint16_t live[kMaxRows];
     for (int r = 0; r < R; ++r) {
       live[r] = window.visible(start, ctx[r / G]);
       n_row[r] = live[r] ? 32 - __builtin_clz((uint32_t)live[r]) : 0;
@@ -542,11 +528,11 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, PageTable pa
           const uint32_t* qr[4];
           for (int i = 0; i < 4; ++i) qr[i] = qw[pass * kMaxRows + std::min(r0 + i, R - 1)];
           block_scores_q8(qr, q_scales + pass * kMaxRows + r0, D, scale, k_scales, k_sums,
-                          [&](int e) { return _mm512_load_si512(kq[e]); }, dst + r0, std::min(4, R - r0));
+                          [&](int e) { return bload(kq[e]); }, dst + r0, std::min(4, R - r0));
         } else {
           const float* qr[4];
           for (int i = 0; i < 4; ++i) qr[i] = qs + row_at(std::min(r0 + i, R - 1), G, H, D);
-          block_scores(qr, DV, scale, [&](int d) { return _mm512_load_ps(kt[d]); }, dst + r0,
+          block_scores(qr, DV, scale, [&](int d) { return fload(kt[d]); }, dst + r0,
                        std::min(4, R - r0));
         }
       }
@@ -568,7 +554,7 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, PageTable pa
       for (int r0 = 0; r0 < R; r0 += 4)
         for (int d0 = 0; d0 < DV; d0 += 4) {
           const int dn = std::min(4, DV - d0);
-          __m512i dots[4][4];
+          I16 dots[4][4];
           value_dots(w + r0, alive + r0, (n + 3) / 4, [&](int g) { return vq[g]; }, d0, dn, dots);
           for (int r = r0; r < std::min(R, r0 + 4); ++r)
             if (alive[r]) add_value_dots(acc[r], alpha[r], step[r], dots[r - r0], d0, dn);
@@ -579,14 +565,13 @@ void attend_group(const float* q, const Cache* kc, const Cache* vc, PageTable pa
       // does not see has weight 0 (softmax_update) against a finite value: it adds nothing.
       for (int r = 0; r < R; ++r) {
         if (n_row[r] <= 0) continue;
-        __m512 a[kMaxD / 16];
-        for (int d = 0; d < DV; ++d)
-          a[d] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * d), _mm512_set1_ps(alpha[r]));
+        F16 a[kMaxD / 16];
+        for (int d = 0; d < DV; ++d) a[d] = fmul(fload(acc[r] + 16 * d), fset(alpha[r]));
         for (int j = 0; j < n_row[r]; ++j) {
-          const __m512 p = _mm512_set1_ps(pj[r][j]);
-          for (int d = 0; d < DV; ++d) a[d] = _mm512_fmadd_ps(p, _mm512_load_ps(vf[j] + 16 * d), a[d]);
+          const F16 p = fset(pj[r][j]);
+          for (int d = 0; d < DV; ++d) a[d] = fmadd(p, fload(vf[j] + 16 * d), a[d]);
         }
-        for (int d = 0; d < DV; ++d) _mm512_store_ps(acc[r] + 16 * d, a[d]);
+        for (int d = 0; d < DV; ++d) fstore(acc[r] + 16 * d, a[d]);
       }
     }
   }
@@ -658,7 +643,7 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, PageTable p
     alignas(64) float pj[kChunk][4][16];
     float alpha[kChunk][4];
     int n_row[kChunk][4];
-    __mmask16 live[kChunk][4];
+    uint16_t live[kChunk][4];
     const Cache* vb[kChunk];
     alignas(64) float v_scales[kChunk][16];
     for (int b = 0; b < nb; ++b) {
@@ -684,14 +669,14 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, PageTable p
         const uint32_t* rows = (const uint32_t*)kh + offset;  // codes by 4 dimensions, scales, sums
         const float* ks = (const float*)(rows + (int64_t)(D / 4) * page_size);
         const int32_t* sums = (const int32_t*)(rows + (int64_t)(D / 4 + 1) * page_size);
-        auto key_quad = [&](int e) { return _mm512_loadu_si512(rows + (int64_t)e * page_size); };
+        auto key_quad = [&](int e) { return bload(rows + (int64_t)e * page_size); };
         with_rows(R, [&](auto rows) {
           block_scores_q8<rows>(qwr[0], q_scales[0], D, scale, ks, sums, key_quad, pj[b], R);
           if (sink_pass) block_scores_q8<rows>(qwr[1], q_scales[1], D, scale, ks, sums, key_quad, ps, R);
         });
       } else {
         vb[b] = vc + ((page_id * page_size + offset) * KVH + kvh) * D;
-        auto key_dim = [&](int d) { return load16(kh + (int64_t)d * page_size + offset); };
+        auto key_dim = [&](int d) { return fload(kh + (int64_t)d * page_size + offset); };
         with_rows(R, [&](auto rows) {
           block_scores<rows>(qr, DV, scale, key_dim, pj[b], R);
           if (sink_pass) block_scores<rows>(qsr, DV, scale, key_dim, ps, R);
@@ -724,7 +709,7 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, PageTable p
         for (int b = 0; b < nb; ++b) {
           if (d0 == 0) prefetch(c0 + b + kChunk, false);
           const int dn = std::min(4, DV - d0);
-          __m512i dots[4][4];
+          I16 dots[4][4];
           const uint32_t* rows = (const uint32_t*)vb[b];
           value_dots(w[b], live[b], quads[b], [&](int g) { return rows + (int64_t)g * D; }, d0, dn, dots);
           for (int r = 0; r < R; ++r)
@@ -735,27 +720,27 @@ void attend_direct(const float* q, const Cache* kc, const Cache* vc, PageTable p
         const int dn = std::min(4, DV - d0);
         for (int b = 0; b < nb; ++b) {
           if (d0 == 0) prefetch(c0 + b + kChunk, false);
-          __m512 a[4][4];
+          F16 a[4][4];
           int n_max = 0;
           // Rows loop to 4 (guarded) so that the compiler unrolls them: a[][] stays in registers.
           for (int r = 0; r < 4; ++r) {
             if (r >= R || n_row[b][r] <= 0) continue;
             n_max = std::max(n_max, n_row[b][r]);
             for (int d = 0; d < dn; ++d)
-              a[r][d] = _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * (d0 + d)), _mm512_set1_ps(alpha[b][r]));
+              a[r][d] = fmul(fload(acc[r] + 16 * (d0 + d)), fset(alpha[b][r]));
           }
           for (int j = 0; j < n_max; ++j) {
-            __m512 v[4];
-            for (int d = 0; d < dn; ++d) v[d] = load16(vb[b] + j * v_stride + 16 * (d0 + d));
+            F16 v[4];
+            for (int d = 0; d < dn; ++d) v[d] = fload(vb[b] + j * v_stride + 16 * (d0 + d));
             for (int r = 0; r < 4; ++r) {
               if (r >= R || j >= n_row[b][r]) continue;
-              const __m512 p = _mm512_set1_ps(pj[b][r][j]);
-              for (int d = 0; d < dn; ++d) a[r][d] = _mm512_fmadd_ps(p, v[d], a[r][d]);
+              const F16 p = fset(pj[b][r][j]);
+              for (int d = 0; d < dn; ++d) a[r][d] = fmadd(p, v[d], a[r][d]);
             }
           }
           for (int r = 0; r < 4; ++r)
             if (r < R && n_row[b][r] > 0)
-              for (int d = 0; d < dn; ++d) _mm512_store_ps(acc[r] + 16 * (d0 + d), a[r][d]);
+              for (int d = 0; d < dn; ++d) fstore(acc[r] + 16 * (d0 + d), a[r][d]);
         }
       }
     }
@@ -838,15 +823,6 @@ void run(const void* qkv, const float* cos, const float* sin, const int64_t* slo
 
 extern "C" {
 
-// Whether this build reads int8 caches (the CPU has AVX512-VNNI for their integer scores).
-int lm_paged_attention_int8_kv() {
-#ifdef __AVX512VNNI__
-  return 1;
-#else
-  return 0;
-#endif
-}
-
 // flags: bit 0 = qkv is bf16, bit 1 = caches are bf16, bit 2 = out is bf16 (else fp32), bit 4 =
 // caches are int8 (with scales; bit 1 clear).
 // tree_start and tree_bits: null when no token of the step belongs to a draft tree.
@@ -877,12 +853,10 @@ void lm_paged_attention(const void* qkv, const float* cos, const float* sin, con
     LM_CASE(5, uint16_t, float, uint16_t)
     LM_CASE(6, float, uint16_t, uint16_t)
     LM_CASE(7, uint16_t, uint16_t, uint16_t)
-#ifdef __AVX512VNNI__  // int8 caches: integer scores with vpdpbusd
-    LM_CASE(16, float, int8_t, float)
+    LM_CASE(16, float, int8_t, float)  // int8 caches: integer scores and values (dpbusd)
     LM_CASE(17, uint16_t, int8_t, float)
     LM_CASE(20, float, int8_t, uint16_t)
     LM_CASE(21, uint16_t, int8_t, uint16_t)
-#endif
   }
 #undef LM_CASE
 }

@@ -1,8 +1,7 @@
 // What lmserve's kernels share: scalar helpers, and vectors of 16 lanes over the instruction set
 // a kernel is compiled for (kernels/build.py picks it at run time: one AVX-512 register, two
 // AVX2 registers, or four NEON registers a vector). Kernels written against F16 / I16 / B64 run
-// on each; code that uses AVX-512 intrinsics directly builds only for AVX-512 (its source says so
-// in its `lmserve-isa:` line).
+// on each (their sources say so in their `lmserve-isa:` line).
 //
 // The vector operations do the same arithmetic on every ISA, lane by lane and in the same order
 // (reductions included), so a kernel's integer paths give the same bits everywhere, and its
@@ -112,11 +111,29 @@ inline F16 fload_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si
 inline F16 fload_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
+// The first n lanes of p (the others zero, their memory not read).
+inline F16 fload_first(const float* p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+inline F16 fload_first(const uint16_t* p, int n) {
+  const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// Lanes in `mask` (bit i: lane i) from a, the others from b.
+inline F16 fselect(uint16_t mask, F16 a, F16 b) { return _mm512_mask_mov_ps(b, (__mmask16)mask, a); }
+// The first n <= 16 32-bit words of src to dst.
+inline void copy_words(void* dst, const void* src, int n) {
+  const __mmask16 lanes = (__mmask16)((1u << n) - 1);
+  _mm512_mask_storeu_epi32(dst, lanes, _mm512_maskz_loadu_epi32(lanes, src));
+}
+inline F16 fload_u4(const uint8_t* p, int shift) {  // (p[i] >> shift) & 15, i < 16
+  const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)p), shift), _mm_set1_epi8(0x0f));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+}
 inline void fstore(float* p, F16 v) { _mm512_storeu_ps(p, v); }
-inline void fstore(uint16_t* p, F16 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+inline __m256i to_bf16(F16 v);
+inline void fstore(uint16_t* p, F16 v) { _mm256_storeu_si256((__m256i*)p, to_bf16(v)); }
 inline void fstore_first(float* p, F16 v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
 inline void fstore_first(uint16_t* p, F16 v, int n) {
-  _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), (__m256i)_mm512_cvtneps_pbh(v));
+  _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), to_bf16(v));
 }
 inline F16 fadd(F16 a, F16 b) { return _mm512_add_ps(a, b); }
 inline F16 fsub(F16 a, F16 b) { return _mm512_sub_ps(a, b); }
@@ -129,6 +146,7 @@ inline F16 fmin(F16 a, F16 b) { return _mm512_min_ps(a, b); }
 inline F16 fabs16(F16 a) { return _mm512_abs_ps(a); }
 inline float hmax(F16 v) { return _mm512_reduce_max_ps(v); }
 inline bool any_nan(F16 v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+inline bool any_not_below(F16 v, float x) { return _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_NLT_UQ) != 0; }
 inline F16 fround(F16 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline F16 fscale2(F16 x, F16 n) { return _mm512_scalef_ps(x, n); }  // x * 2^n, n integral
 inline F16 to_float(I16 v) { return _mm512_cvtepi32_ps(v); }
@@ -137,15 +155,19 @@ inline I16 round_to_int(F16 x) {  // nearest, ties to even, whatever MXCSR says
 }
 
 inline I16 izero() { return _mm512_setzero_si512(); }
+inline I16 iload(const int32_t* p) { return _mm512_loadu_si512(p); }
 inline I16 iset(int32_t x) { return _mm512_set1_epi32(x); }
 inline I16 iadd(I16 a, I16 b) { return _mm512_add_epi32(a, b); }
 inline I16 isub(I16 a, I16 b) { return _mm512_sub_epi32(a, b); }
 template <int N> inline I16 ishl(I16 a) { return _mm512_slli_epi32(a, N); }
+template <int N> inline I16 ishr(I16 a) { return _mm512_srli_epi32(a, N); }  // logical
 inline I16 imin(I16 a, I16 b) { return _mm512_min_epi32(a, b); }
+inline I16 imin_u(I16 a, I16 b) { return _mm512_min_epu32(a, b); }  // unsigned
 inline I16 imax(I16 a, I16 b) { return _mm512_max_epi32(a, b); }
 inline I16 igt(I16 a, I16 b) { return _mm512_movm_epi32(_mm512_cmpgt_epi32_mask(a, b)); }  // -1 / 0
 inline int32_t ihsum(I16 v) { return _mm512_reduce_add_epi32(v); }
-inline void store_i8(int8_t* p, I16 v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(v)); }
+inline void store_i8(int8_t* p, I16 v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(v)); }  // truncating
+inline void store_i8_sat(int8_t* p, I16 v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtsepi32_epi8(v)); }  // saturating
 
 inline B64 bload(const void* p) { return _mm512_loadu_si512(p); }
 inline void bstore(void* p, B64 v) { _mm512_storeu_si512(p, v); }
@@ -157,14 +179,49 @@ inline B64 broadcast4(const int8_t* p) {  // 4 bytes to every lane
   memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
-// acc[i] += the dot product of lane i's 4 unsigned bytes of u with its 4 signed bytes of s.
+// acc[i] += the dot product of lane i's 4 unsigned bytes of u with its 4 signed bytes of s;
+// dpbusd_small where every byte of u is below 128 (cheaper where it has to be emulated: without
+// AVX512-VNNI, vpmaddubsw pairs, a full byte split into nibbles so no pair saturates).
+#if defined(__AVX512VNNI__)
 inline I16 dpbusd(I16 acc, B64 u, B64 s) { return _mm512_dpbusd_epi32(acc, u, s); }
-// The same where every byte of u is below 128 (cheaper where it has to be emulated).
 inline I16 dpbusd_small(I16 acc, B64 u, B64 s) { return _mm512_dpbusd_epi32(acc, u, s); }
-// acc[i] += x[2i+1] * w[2i+1], then += x[2i] * w[2i]: bf16 pairs, as vdpbf16ps.
+#else
+inline I16 dpbusd_small(I16 acc, B64 u, B64 s) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+inline I16 dpbusd(I16 acc, B64 u, B64 s) {
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  const __m512i hi = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(u, 4), nib), s),
+                                       _mm512_set1_epi16(16));
+  return _mm512_add_epi32(dpbusd_small(acc, _mm512_and_si512(u, nib), s), hi);
+}
+#endif
+// acc[i] += x[2i+1] * w[2i+1], then += x[2i] * w[2i]: bf16 pairs, as vdpbf16ps (without
+// AVX512-BF16, its arithmetic in two FMAs: a product of two bf16 values is exact in float32).
+// pack_bf16: 32 floats (lo: elements 0..15, hi: 16..31) rounded to bf16, nearest even.
+#if defined(__AVX512BF16__)
 inline F16 dpbf16(F16 acc, B64 x, B64 w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
-// 32 floats (lo: elements 0..15, hi: 16..31) rounded to bf16, nearest even.
 inline B64 pack_bf16(F16 lo, F16 hi) { return (B64)_mm512_cvtne2ps_pbh(hi, lo); }
+inline __m256i to_bf16(F16 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else
+inline F16 dpbf16(F16 acc, B64 x, B64 w) {
+  const __m512i hi_mask = _mm512_set1_epi32((int32_t)0xffff0000u);
+  const F16 x_odd = _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask));
+  const F16 w_odd = _mm512_castsi512_ps(_mm512_and_si512(w, hi_mask));
+  const F16 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  const F16 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  return _mm512_fmadd_ps(x_even, w_even, _mm512_fmadd_ps(x_odd, w_odd, acc));
+}
+inline __m256i to_bf16(F16 v) {  // nearest even, NaNs kept quiet
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i up = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  const __m512i r = _mm512_mask_mov_epi32(up, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                          _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+inline B64 pack_bf16(F16 lo, F16 hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(to_bf16(lo)), to_bf16(hi), 1); }
+#endif
 
 // The sum of 16 lanes in one fixed order (halves, quarters, pairs: the order GCC's
 // _mm512_reduce_add_ps uses), written out so hsum16x16 can match it bit for bit.
@@ -195,17 +252,6 @@ inline F16 hsum16x16(const F16* v) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, z);
 }
-
-// The kernels written for AVX-512 alone (paged_attention.cpp) use these names.
-inline __m512 load16(const uint16_t* p) { return fload(p); }
-inline __m512 load16(const float* p) { return fload(p); }
-// The lanes of `lanes` only (the others zero, their memory not read).
-inline __m512 load16_masked(const uint16_t* p, __mmask16 lanes) {
-  __m256i h = _mm256_maskz_loadu_epi16(lanes, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load16_masked(const float* p, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, p); }
-inline float reduce16(__m512 v) { return hsum(v); }
 
 #else  // AVX2 or NEON: a vector is several registers, each op applied to each in turn
 
@@ -243,6 +289,24 @@ inline FR fr_load_i8(const int8_t* p) {
   memcpy(&v, p, 8);
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(v)));
 }
+inline FR fr_load_u4(const uint8_t* p, int shift) {
+  int64_t v;
+  memcpy(&v, p, 8);
+  const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_cvtsi64_si128(v), shift), _mm_set1_epi8(0x0f));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
+// Two registers of floats as 16 bf16 (a's lanes, then b's), nearest even, NaNs kept quiet.
+inline IR fr_pack_bf16(FR a, FR b) {
+  auto round = [](FR x) {
+    const IR u = _mm256_castps_si256(x);
+    const IR up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    const IR nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return _mm256_srli_epi32(_mm256_blendv_epi8(up, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan), 16);
+  };
+  // packus interleaves 128-bit halves: a0-3 b0-3 a4-7 b4-7; put them back in order.
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(round(a), round(b)), 0xD8);
+}
 inline void fr_store(float* p, FR v) { _mm256_storeu_ps(p, v); }
 inline FR fr_add(FR a, FR b) { return _mm256_add_ps(a, b); }
 inline FR fr_sub(FR a, FR b) { return _mm256_sub_ps(a, b); }
@@ -254,6 +318,7 @@ inline FR fr_max(FR a, FR b) { return _mm256_max_ps(a, b); }
 inline FR fr_min(FR a, FR b) { return _mm256_min_ps(a, b); }
 inline FR fr_abs(FR a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
 inline bool fr_any_nan(FR v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+inline bool fr_any_not_below(FR v, float x) { return _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_NLT_UQ)) != 0; }
 inline FR fr_round(FR x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline FR fr_from_int(IR v) { return _mm256_cvtepi32_ps(v); }
 inline IR fr_to_int(FR x) { return _mm256_cvtps_epi32(fr_round(x)); }  // exact once rounded
@@ -267,6 +332,7 @@ inline IR ir_sub(IR a, IR b) { return _mm256_sub_epi32(a, b); }
 template <int N> inline IR ir_shl(IR a) { return _mm256_slli_epi32(a, N); }
 template <int N> inline IR ir_shr(IR a) { return _mm256_srli_epi32(a, N); }
 inline IR ir_min(IR a, IR b) { return _mm256_min_epi32(a, b); }
+inline IR ir_min_u(IR a, IR b) { return _mm256_min_epu32(a, b); }
 inline IR ir_max(IR a, IR b) { return _mm256_max_epi32(a, b); }
 inline IR ir_gt(IR a, IR b) { return _mm256_cmpgt_epi32(a, b); }
 inline IR ir_and(IR a, IR b) { return _mm256_and_si256(a, b); }
@@ -303,6 +369,13 @@ inline FR fr_load_i8(const int8_t* p) {
   const int16x8_t w = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(v)));
   return vcvtq_f32_s32(vmovl_s16(vget_low_s16(w)));
 }
+inline FR fr_load_u4(const uint8_t* p, int shift) {
+  const uint8_t b[4] = {(uint8_t)((p[0] >> shift) & 15), (uint8_t)((p[1] >> shift) & 15),
+                        (uint8_t)((p[2] >> shift) & 15), (uint8_t)((p[3] >> shift) & 15)};
+  uint32_t v;
+  memcpy(&v, b, 4);
+  return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(v))))));
+}
 inline void fr_store(float* p, FR v) { vst1q_f32(p, v); }
 inline FR fr_add(FR a, FR b) { return vaddq_f32(a, b); }
 inline FR fr_sub(FR a, FR b) { return vsubq_f32(a, b); }
@@ -314,6 +387,7 @@ inline FR fr_max(FR a, FR b) { return vmaxq_f32(a, b); }
 inline FR fr_min(FR a, FR b) { return vminq_f32(a, b); }
 inline FR fr_abs(FR a) { return vabsq_f32(a); }
 inline bool fr_any_nan(FR v) { return vminvq_u32(vceqq_f32(v, v)) == 0; }
+inline bool fr_any_not_below(FR v, float x) { return vminvq_u32(vcltq_f32(v, vdupq_n_f32(x))) == 0; }
 inline FR fr_round(FR x) { return vrndnq_f32(x); }
 inline FR fr_from_int(IR v) { return vcvtq_f32_s32(v); }
 inline IR fr_to_int(FR x) { return vcvtnq_s32_f32(x); }
@@ -327,6 +401,7 @@ inline IR ir_sub(IR a, IR b) { return vsubq_s32(a, b); }
 template <int N> inline IR ir_shl(IR a) { return vshlq_n_s32(a, N); }
 template <int N> inline IR ir_shr(IR a) { return vreinterpretq_s32_u32(vshrq_n_u32(vreinterpretq_u32_s32(a), N)); }
 inline IR ir_min(IR a, IR b) { return vminq_s32(a, b); }
+inline IR ir_min_u(IR a, IR b) { return vreinterpretq_s32_u32(vminq_u32(vreinterpretq_u32_s32(a), vreinterpretq_u32_s32(b))); }
 inline IR ir_max(IR a, IR b) { return vmaxq_s32(a, b); }
 inline IR ir_gt(IR a, IR b) { return vreinterpretq_s32_u32(vcgtq_s32(a, b)); }
 inline IR ir_and(IR a, IR b) { return vandq_s32(a, b); }
@@ -356,6 +431,17 @@ inline F16 fload(const float* p) { return each<F16>([&](int k) { return fr_load(
 inline F16 fload(const uint16_t* p) { return each<F16>([&](int k) { return fr_load_bf16(p + k * kLanes); }); }
 inline F16 fload_f16(const uint16_t* p) { return each<F16>([&](int k) { return fr_load_f16(p + k * kLanes); }); }
 inline F16 fload_i8(const int8_t* p) { return each<F16>([&](int k) { return fr_load_i8(p + k * kLanes); }); }
+inline F16 fload_u4(const uint8_t* p, int shift) {  // (p[i] >> shift) & 15, i < 16
+  return each<F16>([&](int k) { return fr_load_u4(p + k * kLanes, shift); });
+}
+inline void copy_words(void* dst, const void* src, int n) { memcpy(dst, src, 4 * n); }
+template <typename T>
+inline F16 fload_first(const T* p, int n) {  // the first n lanes of p, the others zero
+  if (n == 16) return fload(p);
+  T lanes[16] = {};
+  memcpy(lanes, p, sizeof(T) * n);
+  return fload(lanes);
+}
 inline void fstore(float* p, F16 v) {
   for (int k = 0; k < kRegs; ++k) fr_store(p + k * kLanes, v.r[k]);
 }
@@ -384,12 +470,26 @@ inline F16 fmax(F16 a, F16 b) { return each<F16>([&](int k) { return fr_max(a.r[
 inline F16 fmin(F16 a, F16 b) { return each<F16>([&](int k) { return fr_min(a.r[k], b.r[k]); }); }
 inline F16 fabs16(F16 a) { return each<F16>([&](int k) { return fr_abs(a.r[k]); }); }
 inline F16 fround(F16 x) { return each<F16>([&](int k) { return fr_round(x.r[k]); }); }
+inline F16 fselect(uint16_t mask, F16 a, F16 b) {
+  float x[16], y[16];
+  fstore(x, a);
+  fstore(y, b);
+  for (int i = 0; i < 16; ++i)
+    if (!(mask >> i & 1)) x[i] = y[i];
+  return fload(x);
+}
 inline F16 to_float(I16 v) { return each<F16>([&](int k) { return fr_from_int(v.r[k]); }); }
 inline I16 round_to_int(F16 x) { return each<I16>([&](int k) { return fr_to_int(x.r[k]); }); }
 inline bool any_nan(F16 v) {
   bool nan = false;
   for (int k = 0; k < kRegs; ++k) nan |= fr_any_nan(v.r[k]);
   return nan;
+}
+// Whether a lane is >= x or NaN.
+inline bool any_not_below(F16 v, float x) {
+  bool any = false;
+  for (int k = 0; k < kRegs; ++k) any |= fr_any_not_below(v.r[k], x);
+  return any;
 }
 inline float hmax(F16 v) {  // max is exact: any order gives the same value
   float lanes[16];
@@ -411,10 +511,13 @@ inline F16 fscale2(F16 x, F16 n) {
 }
 
 inline I16 izero() { return each<I16>([](int) { return ir_set(0); }); }
+inline I16 iload(const int32_t* p) { return each<I16>([&](int k) { return ir_load(p + k * kLanes); }); }
 inline I16 iset(int32_t x) { return each<I16>([&](int) { return ir_set(x); }); }
 inline I16 iadd(I16 a, I16 b) { return each<I16>([&](int k) { return ir_add(a.r[k], b.r[k]); }); }
 inline I16 isub(I16 a, I16 b) { return each<I16>([&](int k) { return ir_sub(a.r[k], b.r[k]); }); }
 template <int N> inline I16 ishl(I16 a) { return each<I16>([&](int k) { return ir_shl<N>(a.r[k]); }); }
+template <int N> inline I16 ishr(I16 a) { return each<I16>([&](int k) { return ir_shr<N>(a.r[k]); }); }
+inline I16 imin_u(I16 a, I16 b) { return each<I16>([&](int k) { return ir_min_u(a.r[k], b.r[k]); }); }
 inline I16 imin(I16 a, I16 b) { return each<I16>([&](int k) { return ir_min(a.r[k], b.r[k]); }); }
 inline I16 imax(I16 a, I16 b) { return each<I16>([&](int k) { return ir_max(a.r[k], b.r[k]); }); }
 inline I16 igt(I16 a, I16 b) { return each<I16>([&](int k) { return ir_gt(a.r[k], b.r[k]); }); }
@@ -424,11 +527,12 @@ inline int32_t ihsum(I16 v) {
   for (int i = 0; i < 16; ++i) sum += lanes[i];
   return sum;
 }
-inline void store_i8(int8_t* p, I16 v) {  // lanes already within int8
+inline void store_i8(int8_t* p, I16 v) {  // truncating
   int32_t lanes[16];
   for (int k = 0; k < kRegs; ++k) ir_spill(lanes + k * kLanes, v.r[k]);
   for (int i = 0; i < 16; ++i) p[i] = (int8_t)lanes[i];
 }
+inline void store_i8_sat(int8_t* p, I16 v) { store_i8(p, imax(imin(v, iset(127)), iset(-128))); }
 
 inline B64 bload(const void* p) {
   return each<B64>([&](int k) { return ir_load((const uint8_t*)p + k * 4 * kLanes); });
@@ -461,10 +565,14 @@ inline F16 dpbf16(F16 acc, B64 x, B64 w) {
   });
 }
 inline B64 pack_bf16(F16 lo, F16 hi) {
+#if LM_AVX2
+  return B64{{fr_pack_bf16(lo.r[0], lo.r[1]), fr_pack_bf16(hi.r[0], hi.r[1])}};
+#else
   alignas(64) uint16_t out[32];
   fstore(out, lo);
   fstore(out + 16, hi);
   return bload(out);
+#endif
 }
 
 // The sum of 16 lanes in the AVX-512 build's order: halves, quarters, pairs, then the last two.
