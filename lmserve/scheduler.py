@@ -39,21 +39,21 @@ class ScheduledChunk:
     num_lookahead: int = 0  # draft slots reserved (pages allocated) for this step
     draft: DraftTree = field(default_factory=DraftTree)  # at most num_lookahead nodes, drafted
     accepted: list[int] = field(default_factory=list)  # the draft nodes the target verified
+    # Positions whose logit rows score the next prompt token (``prompt_logprobs``): those of the
+    # chunk whose next prompt token has no logprob yet, ending where the sampled row begins.
+    # Fixed when the chunk is scheduled (an abort while it is in flight resets the sequence).
+    prompt_rows: range = field(init=False)
+
+    def __post_init__(self) -> None:
+        seq = self.seq
+        self.prompt_rows = range(0)
+        if not self.decode and seq.scores_prompt:
+            end = min(seq.num_computed + self.num_tokens, seq.num_prompt_tokens - 1)
+            self.prompt_rows = range(max(seq.num_computed, len(seq.request.prompt_logprobs)), max(end, 0))
 
     @property
     def num_accepted(self) -> int:
         return len(self.accepted)
-
-    @property
-    def prompt_rows(self) -> range:
-        """Positions whose logit rows score the next prompt token (``prompt_logprobs``): those
-        of the chunk whose next prompt token has no logprob yet. They end where the sampled
-        row begins."""
-        seq = self.seq
-        if self.decode or not seq.scores_prompt:
-            return range(0)
-        end = min(seq.num_computed + self.num_tokens, seq.num_prompt_tokens - 1)
-        return range(max(seq.num_computed, len(seq.request.prompt_logprobs)), max(end, 0))
 
     @property
     def num_logits(self) -> int:
@@ -90,6 +90,11 @@ class Batch:
     def step_input(self) -> StepInput:
         """The step as the runner sees it: plain data, one ``SeqStep`` per chunk."""
         return StepInput([c.seq_step() for c in self.chunks], self.state_copies)
+
+
+# Prompt tokens a sequence scoring its prompt (``prompt_logprobs``) runs a step: each needs a
+# logit row of the whole vocabulary (and its log-softmax), 2 x 256 x V floats at most a step.
+SCORED_ROWS_PER_STEP = 256
 
 
 def _fit(slots: list[int], room: int) -> list[int]:
@@ -243,7 +248,7 @@ class Scheduler:
             seq = self.running[i]
             is_decode = seq.is_decoding
             n = int(seq in self._wishes) if is_decode else self.kv.chunk_limit(
-                seq, min(seq.num_pending, budget))
+                seq, min(seq.num_pending, budget, self._prompt_cap(seq)))
             if seq in self.in_flight:
                 n = 0
             if n <= 0:
@@ -260,6 +265,11 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=is_decode))
             i += 1
         return chunks
+
+    def _prompt_cap(self, seq: Sequence) -> int:
+        """Most tokens of a chunk of ``seq``: ``SCORED_ROWS_PER_STEP`` while it scores its
+        prompt (a logit row each, of the whole vocabulary), else no limit."""
+        return SCORED_ROWS_PER_STEP if seq.scores_prompt else seq.num_pending
 
     def _tokens(self, chunks: list[ScheduledChunk]) -> int:
         """Tokens the chunks run, the draft slots wished for them included (granted later)."""
@@ -301,7 +311,7 @@ class Scheduler:
             if not self.kv.ready(seq):
                 break  # a later choice waits for the first's state (first come, first served)
             reused = self.kv.match_prefix(seq)
-            n = self.kv.chunk_limit(seq, min(seq.num_pending, budget))
+            n = self.kv.chunk_limit(seq, min(seq.num_pending, budget, self._prompt_cap(seq)))
             if not self.kv.allocate(seq, n):
                 if reused:  # give the shared prefix back; it is matched again next time
                     self.kv.free(seq)

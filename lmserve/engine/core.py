@@ -341,7 +341,7 @@ class EngineCore:
             return logits
         sampled, row = [], 0
         for c in batch.chunks:
-            positions, rows, req = c.prompt_rows, c.num_logits, c.seq.request  # (before they change)
+            positions, rows, req = c.prompt_rows, c.num_logits, c.seq.request
             n = len(positions)
             if n:
                 if positions.start != len(req.prompt_logprobs):

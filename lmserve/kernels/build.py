@@ -61,7 +61,8 @@ class Isa:
 # v3 level (Haswell, Zen 1 on), with AVX-VNNI where present; NEON for ARMv8.2 with dot products.
 ISAS = [
     Isa("avx512", "x86_64", ("avx512f", "avx512bw", "avx512vl", "avx512dq"), ("-march=native",)),
-    Isa("avx2", "x86_64", ("avx2", "fma", "f16c"), ("-march=x86-64-v3", "-mtune=native")),
+    Isa("avx2", "x86_64", ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"),
+        ("-march=x86-64-v3", "-mtune=native")),
     Isa("neon", "aarch64", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod",)),
 ]
 # Extensions a build uses when the CPU has them: (cpu flag, g++ flag).
@@ -125,11 +126,12 @@ def source_digest(name: str, isa: Optional[Isa] = None) -> str:
 
 
 def cpu_flags() -> set[str]:
-    """This CPU's feature flags as Linux names them (``/proc/cpuinfo``)."""
+    """This CPU's feature flags as Linux names them (``/proc/cpuinfo``: ``flags`` on x86,
+    ``Features`` on Arm)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return set(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -144,6 +146,9 @@ _GCC_TO_LINUX = {"bmi": "bmi1", "sha": "shani", "pclmul": "pclmulqdq", "rdrnd": 
 def native_isa() -> list[str]:
     """The instruction sets of this CPU that the kernels' flags let g++ use, as Linux names
     them: what a kernel built here may execute, so what a CPU running it must have."""
+    isa = selected_isa()
+    if isa is not None and isa.machine == "aarch64":  # g++ lists no -m options there
+        return sorted(set(isa.needs) | {f for f, _ in _OPTIONAL["neon"] if f in cpu_flags()})
     target = [f for f in compile_flags() if f.startswith(("-march", "-mtune", "-mavx"))]
     listing = subprocess.run(["g++", *target, "-Q", "--help=target"], capture_output=True,
                              text=True, check=True).stdout
