@@ -9,7 +9,7 @@ The one dispatch point: ``selected_isa()`` picks the instruction set every kerne
 the best this CPU has (AVX-512, AVX2, Arm64 NEON), or the one ``LMSERVE_ISA`` names. Each kernel
 source says which it supports on its first line (``// lmserve-isa: avx512 avx2 neon``); a kernel
 without the selected one, a missing compiler or a failed build leaves that kernel unavailable,
-and its callers fall back to the torch path (``kernel_paths`` says which op runs where).
+and its callers fall back to the torch path (``describe_kernels`` says which op runs where).
 
 A process serving a model library (``lmserve.library``) loads the library's own builds instead
 (``use_prebuilt_kernels``) and never runs the compiler.
@@ -22,8 +22,8 @@ import functools
 import hashlib
 import logging
 import os
-import re
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -92,6 +92,7 @@ def selected_isa() -> Optional[Isa]:
     return supported[0] if supported else None
 
 
+@functools.cache
 def kernel_isas(name: str) -> list[str]:
     """The instruction sets kernel ``name``'s source supports (its ``lmserve-isa:`` line)."""
     with open(_SOURCE_DIR / f"{name}.cpp") as f:
@@ -101,9 +102,9 @@ def kernel_isas(name: str) -> list[str]:
     return []
 
 
-def compile_flags(isa: Optional[Isa] = None) -> list[str]:
-    """Every flag a kernel is built with for ``isa`` (None: the selected instruction set)."""
-    isa = isa or selected_isa()
+def compile_flags() -> list[str]:
+    """Every flag a kernel is built with for the selected instruction set."""
+    isa = selected_isa()
     return COMMON_FLAGS + (isa.compile_flags(cpu_flags()) if isa else [])
 
 
@@ -118,11 +119,11 @@ def kernel_names() -> list[str]:
     return sorted(p.stem for p in _SOURCE_DIR.glob("*.cpp"))
 
 
-def source_digest(name: str, isa: Optional[Isa] = None) -> str:
+def source_digest(name: str) -> str:
     """A digest of what kernel ``name`` is built from: its source, the headers, the flags."""
     source = (_SOURCE_DIR / f"{name}.cpp").read_bytes() + b"".join(
         h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h")))
-    return hashlib.sha256(source + " ".join(compile_flags(isa)).encode()).hexdigest()
+    return hashlib.sha256(source + " ".join(compile_flags()).encode()).hexdigest()
 
 
 def cpu_flags() -> set[str]:
@@ -157,12 +158,12 @@ def native_isa() -> list[str]:
     return sorted(f for f in cpu_flags() if re.sub(r"[-_.]", "", f) in enabled)
 
 
-def why_unavailable(name: str, isa: Optional[Isa] = None) -> Optional[str]:
-    """Why kernel ``name`` cannot be built here for ``isa`` (None: the selected one), or None if
-    it can (or comes from a model library, checked against this CPU when it was opened)."""
+def why_unavailable(name: str) -> Optional[str]:
+    """Why kernel ``name`` cannot be built here for the selected instruction set, or None if it
+    can (or comes from a model library, checked against this CPU when it was opened)."""
     if _prebuilt is not None:
         return None
-    isa = isa or selected_isa()
+    isa = selected_isa()
     if isa is None:
         return (f"the CPU has none of the instruction sets the kernels are built for "
                 f"({', '.join(i.name for i in ISAS)})")
@@ -188,9 +189,9 @@ def describe_kernels() -> str:
     isa = selected_isa()
     runs = ", ".join(i.name for i in supported_isas()) or "none of " + ", ".join(i.name for i in ISAS)
     head = f"{isa.name if isa else 'none'} (this CPU runs {runs}; {ISA_ENV} chooses)"
-    native = [op for name, op in KERNEL_OPS.items() if why_unavailable(name) is None]
-    torch_ops = [f"{op} ({why_unavailable(name)})" for name, op in KERNEL_OPS.items()
-                 if why_unavailable(name) is not None]
+    reasons = {op: why_unavailable(name) for name, op in KERNEL_OPS.items()}
+    native = [op for op, reason in reasons.items() if reason is None]
+    torch_ops = [f"{op} ({reason})" for op, reason in reasons.items() if reason is not None]
     return "; ".join([head] + ([f"C++: {', '.join(native)}"] if native else [])
                      + ([f"torch: {', '.join(torch_ops)}"] if torch_ops else []))
 
@@ -227,14 +228,14 @@ def _load(name: str) -> Optional[ctypes.CDLL]:
     return None if target is None else ctypes.CDLL(str(target))
 
 
-def build_kernel(name: str, isa: Optional[Isa] = None) -> Optional[Path]:
-    """The shared object of kernel ``name`` for this CPU and ``isa`` (None: the selected one),
+def build_kernel(name: str) -> Optional[Path]:
+    """The shared object of kernel ``name`` for this CPU and the selected instruction set,
     compiled unless cached; None (logged) where it cannot be built."""
-    reason = why_unavailable(name, isa)
+    reason = why_unavailable(name)
     if reason:
         logger.info("C++ kernel %s unavailable: %s; using the torch path", name, reason)
         return None
-    key = hashlib.sha256(source_digest(name, isa).encode()
+    key = hashlib.sha256(source_digest(name).encode()
                          + " ".join(sorted(cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
@@ -242,7 +243,7 @@ def build_kernel(name: str, isa: Optional[Isa] = None) -> Optional[Path]:
         # Build beside the target and rename, so concurrent processes never load half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        cmd = ["g++", *compile_flags(isa), str(_SOURCE_DIR / f"{name}.cpp"), "-o", tmp]
+        cmd = ["g++", *compile_flags(), str(_SOURCE_DIR / f"{name}.cpp"), "-o", tmp]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)
