@@ -5,7 +5,7 @@ server picks its ISA once), in interleaved rounds, and prints each lmserve kerne
 GFLOP/s per ISA and its ratio to the first (best) one. The outputs are the same bits on every
 ISA (tests/test_kernel_isas.py), so this is the whole difference between them.
 
-    .venv/bin/python benchmarks/isa_kernels.py [--rounds 3] [--rows 1 16 256]
+    .venv/bin/python benchmarks/isa_kernels.py [--rounds 3] [--rows 1 16 256] [--isas amx avx512]
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
     ap.add_argument("--seconds", type=float, default=0.2)
+    ap.add_argument("--isas", nargs="+", help="these of the ISAs this CPU runs (default: all)")
     args = ap.parse_args()
-    isas = [isa.name for isa in supported_isas()]
+    isas = [isa.name for isa in supported_isas() if not args.isas or isa.name in args.isas]
     runs: dict[str, list] = defaultdict(list)
     for _ in range(args.rounds):
         for isa in isas:

@@ -14,9 +14,11 @@ import sys
 import pytest
 import torch
 
-from lmserve.kernels.build import ISA_ENV, kernel_isas, selected_isa, supported_isas
+from lmserve.kernels.build import ISA_ENV, ISAS as ALL_ISAS, kernel_isas, selected_isa, supported_isas
 
-ISAS = [isa.name for isa in supported_isas()]
+RUNS = [isa.name for isa in supported_isas()]  # what this CPU runs, best first
+# The same, the one chosen by default first: the others are compared with it.
+ISAS = sorted(RUNS, key=lambda name: name != getattr(selected_isa(), "name", None))
 HERE = os.path.dirname(__file__)
 
 
@@ -104,8 +106,9 @@ def outputs(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def test_this_cpu_runs_more_than_one_isa():
-    """Every x86-64 CPU with AVX-512 also runs the AVX2 build, so both are checked here."""
-    assert selected_isa() is not None and ISAS[0] == selected_isa().name
+    """Every x86-64 CPU with AVX-512 also runs the AVX2 build, so both are checked here; the
+    default is the best this CPU runs but AMX, which is only chosen on request."""
+    assert selected_isa() is not None and selected_isa().name == [n for n in RUNS if n != "amx"][0]
     if "avx512" in ISAS:
         assert "avx2" in ISAS
 
@@ -141,7 +144,7 @@ def test_every_isa_is_close_to_the_float_reference(outputs):
 
 def test_the_isa_can_be_chosen_and_a_wrong_choice_is_refused():
     assert in_process_with(ISAS[-1], "print_selected_isa()").strip() == ISAS[-1]
-    for wanted, message in [("sse2", "unknown; the kernels are built for avx512, avx2, neon"),
+    for wanted, message in [("sse2", "unknown; the kernels are built for amx, avx512, avx2, neon"),
                             ("neon" if "neon" not in ISAS else "avx512", "this CPU runs")]:
         env = {**os.environ, ISA_ENV: wanted}
         result = subprocess.run([sys.executable, "-c", "from lmserve import Engine; Engine()"], env=env,
@@ -160,7 +163,7 @@ def test_the_plan_says_where_each_op_runs():
     """`lmserve plan` and the start-up log: the ISA, the C++ ops, and the torch ones with why."""
     for isa in ISAS:
         line = in_process_with(isa, "print_kernels()").strip()
-        assert line.startswith(f"{isa} (this CPU runs {', '.join(ISAS)}; {ISA_ENV} chooses)")
+        assert line.startswith(f"{isa} (this CPU runs {', '.join(RUNS)}; {ISA_ENV} chooses)")
         assert line.endswith("; C++: int8-activation matmuls, block and bf16 matmuls, attention, norm and "
                              "SiLU, recurrent decode, tensor-parallel all-reduce")
 
@@ -169,7 +172,10 @@ KERNELS = ["int8_gemm", "block_gemm", "fused_ops", "paged_attention", "ssm_decod
 
 
 def test_every_kernel_is_built_for_every_isa():
-    assert all(kernel_isas(name) == ["avx512", "avx2", "neon"] for name in KERNELS)
+    """Every kernel has a version for each vector ISA; the AMX build has tile paths in the int8
+    matmul, and builds every other kernel for AVX-512, which it extends."""
+    assert all(kernel_isas(name)[-3:] == ["avx512", "avx2", "neon"] for name in KERNELS)
+    assert [name for name in KERNELS if "amx" in kernel_isas(name)] == ["int8_gemm"]
 
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="this CPU runs one instruction set")
@@ -188,12 +194,11 @@ def test_greedy_output_is_batch_invariant_on_the_other_isas():
 
 
 PORTABLE_KERNELS = ["int8_gemm", "block_gemm", "fused_ops"]
-# Every build of tests/native/isa_harness.cpp: (name, compiler, flags, how to run it). The Arm
-# builds are cross-compiled with Debian's aarch64 toolchain and run under qemu-user (`-cpu max`
-# has the i8mm extension the second one uses).
+# Every build of tests/native/isa_harness.cpp: (name, compiler, flags, how to run it). The x86
+# ones take the kernels' own flags; the Arm builds are cross-compiled with Debian's aarch64
+# toolchain and run under qemu-user (`-cpu max` has the i8mm extension the second one uses).
 HARNESS_BUILDS = [
-    ("avx512", "g++", ["-march=native"], []),
-    ("avx2", "g++", ["-march=x86-64-v3"], []),
+    *[(isa.name, "g++", list(isa.flags), []) for isa in ALL_ISAS if isa.machine == "x86_64"],
     ("neon dotprod", "aarch64-linux-gnu-g++", ["-march=armv8.2-a+dotprod"],
      ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"]),
     ("neon i8mm", "aarch64-linux-gnu-g++", ["-march=armv8.2-a+dotprod+i8mm"],
@@ -202,11 +207,12 @@ HARNESS_BUILDS = [
 
 
 def test_every_build_matches_a_scalar_reference_and_each_others_bits(tmp_path):
-    """The portable kernels built for AVX-512, AVX2 and Arm64 NEON (with and without i8mm, under
-    qemu-user): each within its stated tolerance of a plain scalar reference written from the
+    """The portable kernels built for AMX, AVX-512, AVX2 and Arm64 NEON (with and without i8mm,
+    under qemu-user): each within its stated tolerance of a plain scalar reference written from the
     layouts (int8 activations: 3e-2 of the output scale for one digit, 3e-4 for two; bf16
     matmul: 1e-5 with bf16 activations, 2e-4 with float32 ones; norm 1e-5; SiLU 1e-6), and all
-    with the same bits."""
+    with the same bits. The AMX build runs on any AVX-512 CPU: where Linux grants no tiles it
+    takes its vector path."""
     tools = ["aarch64-linux-gnu-g++", "qemu-aarch64"]
     missing = [t for t in tools if shutil.which(t) is None]
     if missing and not os.environ.get("CI"):
@@ -216,7 +222,7 @@ def test_every_build_matches_a_scalar_reference_and_each_others_bits(tmp_path):
         os.path.join(HERE, "..", "lmserve", "kernels", f"{k}.cpp") for k in PORTABLE_KERNELS]
     outputs = {}
     for name, compiler, flags, runner in HARNESS_BUILDS:
-        if compiler == "g++" and name not in ISAS:
+        if compiler == "g++" and name not in ISAS and not (name == "amx" and "avx512" in ISAS):
             continue  # an x86 ISA this CPU lacks
         binary = str(tmp_path / name.replace(" ", "_"))
         subprocess.run([compiler, "-O2", "-fopenmp", "-std=c++17", *flags, *sources, "-o", binary],

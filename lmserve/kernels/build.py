@@ -6,10 +6,12 @@ shared object is cached under ``~/.cache/lmserve/kernels`` keyed by the source, 
 flags and the CPU's feature flags.
 
 The one dispatch point: ``selected_isa()`` picks the instruction set every kernel is built for,
-the best this CPU has (AVX-512, AVX2, Arm64 NEON), or the one ``LMSERVE_ISA`` names. Each kernel
-source says which it supports on its first line (``// lmserve-isa: avx512 avx2 neon``); a kernel
-without the selected one, a missing compiler or a failed build leaves that kernel unavailable,
-and its callers fall back to the torch path (``describe_kernels`` says which op runs where).
+the best this CPU has (AVX-512, AVX2, Arm64 NEON; AMX on request), or the one ``LMSERVE_ISA``
+names. Each
+kernel source says which it supports on its first line (``// lmserve-isa: avx512 avx2 neon``); a
+kernel without the selected one builds for the ISA that one extends (AMX extends AVX-512) if it
+has that, else a missing version, compiler or build leaves the kernel unavailable and its
+callers fall back to the torch path (``describe_kernels`` says which op runs where).
 
 A process serving a model library (``lmserve.library``) loads the library's own builds instead
 (``use_prebuilt_kernels``) and never runs the compiler.
@@ -50,6 +52,8 @@ class Isa:
     machine: str  # platform.machine() of the CPUs that run it
     needs: tuple[str, ...]  # CPU feature flags it requires (/proc/cpuinfo names)
     flags: tuple[str, ...]  # g++ flags that target it
+    extends: Optional[str] = None  # the ISA a kernel without a version for this one builds for
+    default: bool = True  # chosen without LMSERVE_ISA where the CPU runs it
 
     def compile_flags(self, cpu: set[str]) -> list[str]:
         """The flags for this CPU: the ISA's, plus the optional extensions it has."""
@@ -57,10 +61,16 @@ class Isa:
         return [*self.flags, *extra]
 
 
-# Best first. AVX-512 builds for the CPU itself (its VNNI, BF16 and tuning); AVX2 for the x86-64
-# v3 level (Haswell, Zen 1 on), with AVX-VNNI where present; NEON for ARMv8.2 with dot products.
+# Best first. AMX is AVX-512 plus the tile instructions of Sapphire Rapids on, in the kernels
+# that have a tile path (LM_AMX); only on request so far, as its int8 matmul is not yet faster
+# than AVX-512's (docs/performance.md). AVX-512 builds for the CPU itself (its VNNI, BF16 and
+# tuning) without tiles; AVX2 for the x86-64 v3 level (Haswell, Zen 1 on), with AVX-VNNI where
+# present; NEON for ARMv8.2 with dot products.
+_AVX512_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 ISAS = [
-    Isa("avx512", "x86_64", ("avx512f", "avx512bw", "avx512vl", "avx512dq"), ("-march=native",)),
+    Isa("amx", "x86_64", (*_AVX512_NEEDS, "amx_tile", "amx_int8"),
+        ("-march=native", "-mamx-tile", "-mamx-int8", "-DLM_AMX=1"), extends="avx512", default=False),
+    Isa("avx512", "x86_64", _AVX512_NEEDS, ("-march=native",)),
     Isa("avx2", "x86_64", ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"),
         ("-march=x86-64-v3", "-mtune=native")),
     Isa("neon", "aarch64", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod",)),
@@ -70,15 +80,30 @@ _OPTIONAL = {"avx2": (("avx_vnni", "-mavxvnni"),), "neon": (("i8mm", "-march=arm
 
 
 def supported_isas() -> list[Isa]:
-    """The instruction sets this CPU runs, best first."""
+    """The instruction sets this CPU runs, best first (AMX only where Linux grants the tiles)."""
     cpu, machine = cpu_flags(), platform.machine()
-    return [isa for isa in ISAS if isa.machine == machine and all(f in cpu for f in isa.needs)]
+    return [isa for isa in ISAS if isa.machine == machine and all(f in cpu for f in isa.needs)
+            and ("amx_tile" not in isa.needs or _tile_state_granted())]
+
+
+@functools.cache
+def _tile_state_granted() -> bool:
+    """Whether Linux gives this process AMX's tile state when asked (arch_prctl
+    ARCH_REQ_XCOMP_PERM for XTILEDATA, as the kernels ask again): a kernel refused would
+    fault at its first tile instruction."""
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    try:
+        args = map(ctypes.c_long, (sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata))
+        return ctypes.CDLL(None).syscall(*args) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 @functools.cache
 def selected_isa() -> Optional[Isa]:
     """The instruction set every kernel is built for: ``LMSERVE_ISA`` if set (refused, naming
-    the choices, when this CPU cannot run it), else the best this CPU has; None if none."""
+    the choices, when this CPU cannot run it), else the best this CPU has of those chosen by
+    default; None if none."""
     supported = supported_isas()
     wanted = os.environ.get(ISA_ENV)
     if wanted:
@@ -89,7 +114,7 @@ def selected_isa() -> Optional[Isa]:
                 f"this CPU runs {', '.join(i.name for i in supported) or 'none of them'}"
                 if wanted in known else f"unknown; the kernels are built for {', '.join(known)}"))
         return match[0]
-    return supported[0] if supported else None
+    return next((isa for isa in supported if isa.default), None)
 
 
 @functools.cache
@@ -102,9 +127,18 @@ def kernel_isas(name: str) -> list[str]:
     return []
 
 
-def compile_flags() -> list[str]:
-    """Every flag a kernel is built with for the selected instruction set."""
+def kernel_isa(name: Optional[str] = None) -> Optional[Isa]:
+    """The instruction set kernel ``name`` is built for: the selected one, or the one it extends
+    when the kernel has no version of its own for it (None for any name: the selected one)."""
     isa = selected_isa()
+    if isa is not None and isa.extends and name is not None and isa.name not in kernel_isas(name):
+        return next(i for i in ISAS if i.name == isa.extends)
+    return isa
+
+
+def compile_flags(name: Optional[str] = None) -> list[str]:
+    """Every flag kernel ``name`` (any kernel if None) is built with."""
+    isa = kernel_isa(name)
     return COMMON_FLAGS + (isa.compile_flags(cpu_flags()) if isa else [])
 
 
@@ -123,7 +157,7 @@ def source_digest(name: str) -> str:
     """A digest of what kernel ``name`` is built from: its source, the headers, the flags."""
     source = (_SOURCE_DIR / f"{name}.cpp").read_bytes() + b"".join(
         h.read_bytes() for h in sorted(_SOURCE_DIR.glob("*.h")))
-    return hashlib.sha256(source + " ".join(compile_flags()).encode()).hexdigest()
+    return hashlib.sha256(source + " ".join(compile_flags(name)).encode()).hexdigest()
 
 
 def cpu_flags() -> set[str]:
@@ -150,7 +184,7 @@ def native_isa() -> list[str]:
     isa = selected_isa()
     if isa is not None and isa.machine == "aarch64":  # g++ lists no -m options there
         return sorted(set(isa.needs) | {f for f, _ in _OPTIONAL["neon"] if f in cpu_flags()})
-    target = [f for f in compile_flags() if f.startswith(("-march", "-mtune", "-mavx"))]
+    target = [f for f in compile_flags() if f.startswith(("-march", "-mtune", "-mavx", "-mamx"))]
     listing = subprocess.run(["g++", *target, "-Q", "--help=target"], capture_output=True,
                              text=True, check=True).stdout
     enabled = {re.sub(r"[-_.]", "", m) for m in re.findall(r"^\s+-m([\w.-]+)\s+\[enabled\]", listing, re.M)}
@@ -167,7 +201,7 @@ def why_unavailable(name: str) -> Optional[str]:
     if isa is None:
         return (f"the CPU has none of the instruction sets the kernels are built for "
                 f"({', '.join(i.name for i in ISAS)})")
-    if isa.name not in kernel_isas(name):
+    if kernel_isa(name).name not in kernel_isas(name):
         return f"it has no {isa.name} version yet"
     if shutil.which("g++") is None:
         return "no g++ compiler on PATH"
@@ -243,7 +277,7 @@ def build_kernel(name: str) -> Optional[Path]:
         # Build beside the target and rename, so concurrent processes never load half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        cmd = ["g++", *compile_flags(), str(_SOURCE_DIR / f"{name}.cpp"), "-o", tmp]
+        cmd = ["g++", *compile_flags(name), str(_SOURCE_DIR / f"{name}.cpp"), "-o", tmp]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)

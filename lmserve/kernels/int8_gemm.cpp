@@ -1,4 +1,4 @@
-// lmserve-isa: avx512 avx2 neon
+// lmserve-isa: amx avx512 avx2 neon
 // Matrix multiply of int8-quantized activations with weights in blocks of 32 (4-bit or 8-bit
 // unsigned codes, w = code * scale + zero): C (M, N) = A (M, K) @ W (N, K)^T, with integer dot
 // products of 4 bytes a lane (AVX-512 VNNI's vpdpbusd: 64 multiply-adds an instruction, twice
@@ -13,7 +13,8 @@
 // where the sums of products are exact integer arithmetic. Each vector lane is one output column (16 weight rows at a
 // time), so no horizontal reduction is needed, and every C[m, n] adds its blocks in the same
 // order with the same float operations whatever M is or which tile computes it: rows are
-// batch-invariant.
+// batch-invariant. On AMX (the "amx" build) whole groups of 16 rows take their integer sums
+// from tile instructions instead: the same integers, then the same float steps, so the same bits.
 //
 // Weight layout, rows in groups of 16 (N padded to a multiple of 16):
 //   codes  (N/16, K/32, V, 16, 4) bytes, V = 4 for 4-bit: vector v holds, for each of the 16
@@ -23,6 +24,7 @@
 //          them is a float16 value (GGUF stores them so; a sixth less to stream), else float32.
 #include <omp.h>
 
+#include "amx.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -44,6 +46,7 @@ struct Args {
   void* c;
   bool out_bf16;
   int M, N, K;
+  bool amx;               // groups of 16 rows on AMX tiles
 };
 
 // 16 activations to int8 digits: q = round(x * inv) and, if q2, the remainder in 256ths of
@@ -95,6 +98,23 @@ void quantize(const T* a, int8_t* q, int8_t* q2, float* scale, float* sum, int M
 inline F16 load_consts(const Args& p, int64_t at) {  // 16 scales or zeros as float32
   if (p.half_consts) return fload_f16((const uint16_t*)p.consts + at);
   return fload((const float*)p.consts + at);
+}
+
+// Block g's contribution to row m's outputs of one weight group: the float steps every path
+// takes on the block's integer sums (`sum`, as q * 256 + q2 with two digits).
+inline F16 add_block(const Args& p, F16 acc, I16 sum, F16 scale, F16 zero, int m, int g) {
+  const int64_t at = (int64_t)m * (p.K / 32) + g;
+  acc = fmadd(to_float(sum), fmul(scale, fset(p.a_scale[at])), acc);
+  return fmadd(zero, fset(p.a_sum[at]), acc);
+}
+
+inline void store_row(const Args& p, int m, int j, F16 acc) {  // C[m, 16j : 16j+16]
+  const int n0 = j * 16, n = std::min(16, p.N - n0);
+  const int64_t at = (int64_t)m * p.N + n0;
+  if (p.out_bf16)
+    fstore_first((uint16_t*)p.c + at, acc, n);
+  else
+    fstore_first((float*)p.c + at, acc, n);
 }
 
 // Asks for weight group j's block g (codes, then scales and zeros) in L2.
@@ -176,22 +196,13 @@ void tile(const Args& p, int m0, int j0, int next_j) {
       const int64_t k = ((int64_t)(j0 + r) * G + g) * 32;
       const F16 scale = load_consts(p, k), zero = load_consts(p, k + 16);
       for (int i = 0; i < MR; ++i) {
-        const int64_t at = (int64_t)(m0 + i) * G + g;
         const I16 sum = DIGITS == 1 ? iadd(s0[i][r], s1[i][r]) : iadd(ishl<8>(s0[i][r]), s1[i][r]);
-        acc[i][r] = fmadd(to_float(sum), fmul(scale, fset(p.a_scale[at])), acc[i][r]);
-        acc[i][r] = fmadd(zero, fset(p.a_sum[at]), acc[i][r]);
+        acc[i][r] = add_block(p, acc[i][r], sum, scale, zero, m0 + i, g);
       }
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int r = 0; r < NR; ++r) {
-      const int n0 = (j0 + r) * 16, n = std::min(16, p.N - n0);
-      const int64_t at = (int64_t)(m0 + i) * p.N + n0;
-      if (p.out_bf16)
-        fstore_first((uint16_t*)p.c + at, acc[i][r], n);
-      else
-        fstore_first((float*)p.c + at, acc[i][r], n);
-    }
+    for (int r = 0; r < NR; ++r) store_row(p, m0 + i, j0 + r, acc[i][r]);
 }
 
 constexpr int kMC = 64;  // rows of A kept in cache while every weight strip passes over them
@@ -217,6 +228,129 @@ void rows(const Args& p, int m0, int m_end, int j0, int next_j = -1) {
   }
 }
 
+#if LM_AMX
+// Tiles: 0, 1: one block's first-digit sums for groups j0 and j0+1 (16 x 16 int32); 2, 3: its
+// second-digit sums, or with one digit the next block's; 4, 5: 16 rows' digits of a block
+// (16 x 32 bytes); 6, 7: the two groups' codes of the block, 8 rows of
+// 16 x 4 bytes: the layout's vectors as they are for 8-bit codes, split into low and high
+// nibbles for 4-bit ones (elements 0..15, then 16..31).
+constexpr TileShape kTiles[8] = {{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 32}, {16, 32}, {8, 64}, {8, 64}};
+constexpr int kTileBytes = 512;  // a block of 16 rows' codes as tile rows
+constexpr int kRun = 8;          // blocks whose sums wait in L1 for their float steps
+
+// The blocks of groups j0 .. j0+NC-1 as tile rows, group after group: the weights themselves
+// for 8-bit codes, else unpacked into `buffer`.
+template <int BITS, int NC>
+const uint8_t* tile_codes(const Args& p, int j0, std::vector<uint8_t>& buffer) {
+  const int G = p.K / 32;
+  const uint8_t* codes = p.codes + (int64_t)j0 * G * kTileBytes / (BITS == 4 ? 2 : 1);
+  if constexpr (BITS == 8) return codes;
+  buffer.resize((size_t)NC * G * kTileBytes);
+  const B64 nib = bset8(0x0f);
+  for (int b = 0; b < NC * G; ++b)
+    for (int v = 0; v < 4; ++v) {
+      const B64 raw = bload(codes + (b * 4 + v) * 64);
+      bstore(buffer.data() + b * kTileBytes + v * 64, band(raw, nib));
+      bstore(buffer.data() + b * kTileBytes + (4 + v) * 64, bshr4(raw));
+    }
+  return buffer.data();
+}
+
+// One digit's sums for both groups: tiles C0 and C1 from digit tile A and code tiles 6 and 7.
+// A macro: GCC's tile intrinsics paste their tile numbers into the assembly.
+#define LM_DIGIT_SUMS(C0, C1, A, digits, out)                          \
+  _tile_zero(C0);                                                      \
+  _tile_loadd(A, digits, p.K);                                         \
+  _tile_dpbsud(C0, A, 6);                                              \
+  _tile_stored(C0, out[0], 64);                                        \
+  if constexpr (NC == 2) {                                             \
+    _tile_zero(C1);                                                    \
+    _tile_dpbsud(C1, A, 7);                                            \
+    _tile_stored(C1, out[NC - 1], 64);                                 \
+  }
+
+// Block g's integer sums of rows m0 .. m0+15 against the NC groups' codes (TDPBSUD: signed
+// activation digits times unsigned codes) into out[digit][group]. One digit alternates between
+// tiles 0, 1, 4 and 2, 3, 5 (`odd`), so two blocks are in flight.
+template <int DIGITS, int NC>
+inline void tile_sums(const Args& p, const uint8_t* codes, int m0, int g, bool odd, int32_t (*out)[NC][16][16]) {
+  const int G = p.K / 32;
+  const int64_t at = (int64_t)m0 * p.K + g * 32;
+  _tile_loadd(6, codes + (int64_t)g * kTileBytes, 64);
+  if constexpr (NC == 2) _tile_loadd(7, codes + (int64_t)(G + g) * kTileBytes, 64);
+  if constexpr (DIGITS == 2) {
+    LM_DIGIT_SUMS(0, 1, 4, p.q + at, out[0]);
+    LM_DIGIT_SUMS(2, 3, 5, p.q2 + at, out[DIGITS - 1]);
+  } else if (odd) {
+    LM_DIGIT_SUMS(2, 3, 5, p.q + at, out[0]);
+  } else {
+    LM_DIGIT_SUMS(0, 1, 4, p.q + at, out[0]);
+  }
+}
+#undef LM_DIGIT_SUMS
+
+// Rows m0 .. of groups j0 .. j0+NC-1 in whole groups of 16 on the tiles; returns the first row
+// left (fewer than 16 remain). The sums of a run of blocks come from the tiles first, then take
+// tile()'s float steps, in its order, with the 16 rows' accumulators in registers. With next_j
+// >= 0 it asks for that strip's weights in L2 as it goes, as tile() does.
+template <int BITS, int DIGITS, int NC>
+int amx_rows(const Args& p, int m0, int m_end, int j0, int next_j) {
+  if (m_end - m0 < 16) return m0;
+  const int G = p.K / 32;
+  thread_local std::vector<uint8_t> buffer;
+  const uint8_t* codes = tile_codes<BITS, NC>(p, j0, buffer);
+  alignas(64) int32_t sums[kRun][DIGITS][NC][16][16];
+  alignas(64) float acc[NC][16][16];
+  for (; m0 + 16 <= m_end; m0 += 16, next_j = -1) {
+    for (int c = 0; c < NC; ++c)
+      for (int i = 0; i < 16; ++i) fstore(acc[c][i], fzero());
+    for (int g0 = 0; g0 < G; g0 += kRun) {
+      const int run = std::min(kRun, G - g0);
+      for (int b = 0; b < run; ++b) {
+        if (next_j >= 0)
+          for (int c = 0; c < NC; ++c) prefetch_block<BITS>(p, next_j + c, g0 + b);
+        tile_sums<DIGITS, NC>(p, codes, m0, g0 + b, b % 2 == 1, sums[b]);
+      }
+      for (int c = 0; c < NC; ++c) {
+        F16 a[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) a[i] = fload(acc[c][i]);
+        for (int b = 0; b < run; ++b) {
+          const int g = g0 + b;
+          const int64_t k = ((int64_t)(j0 + c) * G + g) * 32;
+          const F16 scale = load_consts(p, k), zero = load_consts(p, k + 16);
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {
+            const I16 first = iload(sums[b][0][c][i]);
+            const I16 sum = DIGITS == 1 ? first : iadd(ishl<8>(first), iload(sums[b][DIGITS - 1][c][i]));
+            a[i] = add_block(p, a[i], sum, scale, zero, m0 + i, g);
+          }
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) fstore(acc[c][i], a[i]);
+      }
+    }
+    for (int i = 0; i < 16; ++i)
+      for (int c = 0; c < NC; ++c) store_row(p, m0 + i, j0 + c, fload(acc[c][i]));
+  }
+  return m0;
+}
+#endif
+
+// Rows m0 .. m_end of groups j0 .. j0+NR-1: groups of 16 on AMX tiles where the build and the
+// call have them, the rest in vector tiles.
+template <int BITS, int DIGITS, int MR, int NR>
+void strip_rows(const Args& p, int m0, int m_end, int j0, int next_j) {
+#if LM_AMX
+  if (p.amx) {
+    const int first = amx_rows<BITS, DIGITS, NR>(p, m0, m_end, j0, next_j);
+    if (first != m0) next_j = -1;  // asked for already
+    m0 = first;
+  }
+#endif
+  rows<BITS, DIGITS, MR, NR>(p, m0, m_end, j0, next_j);
+}
+
 // Tiles of MR rows x NR groups of 16 columns. The tile shape never changes the arithmetic of an
 // output element, so choosing it by M keeps rows batch-invariant. With one chunk of rows (decode)
 // each strip asks for the next one's weights in L2 as it goes: a strip of few rows is done before
@@ -233,9 +367,9 @@ void gemm_tiles(const Args& p) {
     for (int s = 0; s < strips; ++s) {
       const int j0 = s * NR, m0 = c * kMC, m_end = std::min(p.M, m0 + kMC);
       if (j0 + NR <= groups)
-        rows<BITS, DIGITS, MR, NR>(p, m0, m_end, j0, chunks == 1 && j0 + 2 * NR <= groups ? j0 + NR : -1);
+        strip_rows<BITS, DIGITS, MR, NR>(p, m0, m_end, j0, chunks == 1 && j0 + 2 * NR <= groups ? j0 + NR : -1);
       else
-        for (int j = j0; j < groups; ++j) rows<BITS, DIGITS, MR, 1>(p, m0, m_end, j);
+        for (int j = j0; j < groups; ++j) strip_rows<BITS, DIGITS, MR, 1>(p, m0, m_end, j, -1);
     }
 }
 
@@ -264,10 +398,18 @@ void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* co
   std::vector<int8_t> q((size_t)M * K * digits);
   std::vector<float> scale((size_t)M * G), sum((size_t)M * G);
   int8_t* q2 = digits == 2 ? q.data() + (size_t)M * K : nullptr;
+#if LM_AMX
+  const bool amx = M >= 16 && amx_ready();
+#else
+  const bool amx = false;
+#endif
   const Args p{q.data(), q2, scale.data(), sum.data(), codes, consts, half_consts != 0,
-               c, out_bf16 != 0, M, N, K};
+               c, out_bf16 != 0, M, N, K, amx};
 #pragma omp parallel
   {
+#if LM_AMX
+    if (amx) amx_configure(kTiles);
+#endif
     if (a_f32)
       quantize((const float*)a, q.data(), q2, scale.data(), sum.data(), M, K);
     else
@@ -276,6 +418,9 @@ void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* co
       digits == 2 ? gemm<4, 2>(p) : gemm<4, 1>(p);
     else
       digits == 2 ? gemm<8, 2>(p) : gemm<8, 1>(p);
+#if LM_AMX
+    if (amx) _tile_release();
+#endif
   }
 }
 

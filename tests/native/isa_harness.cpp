@@ -1,7 +1,7 @@
 // Runs lmserve's portable kernels (int8_gemm, block_gemm, fused_ops) on fixed pseudo-random
 // inputs, checks each against a plain scalar reference written from the layouts their sources
 // document, and writes every output's bytes to stdout, so that builds for different instruction
-// sets (AVX-512, AVX2, Arm64 NEON under qemu-user) can be compared bit for bit
+// sets (AMX, AVX-512, AVX2, Arm64 NEON under qemu-user) can be compared bit for bit
 // (tests/test_kernel_isas.py). Exit status 1 and a message on stderr when a check fails.
 #include <stdint.h>
 #include <stdio.h>
@@ -107,7 +107,7 @@ void int8_cases() {
   const int N = 48, K = 96;
   for (int bits : {4, 8})
     for (int digits : {1, 2})
-      for (int M : {1, 5, 37}) {
+      for (int M : {1, 5, 37, 100}) {  // 37 and 100: groups of 16 rows on AMX, and the rest
         const std::vector<uint8_t> codes = random_bytes((size_t)N * K * bits / 8);
         std::vector<float> consts = random_floats((size_t)N / 16 * K / 32 * 32, 0.05f);
         std::vector<float> a = random_floats((size_t)M * K, 1.0f);
@@ -119,6 +119,15 @@ void int8_cases() {
           for (int n = 0; n < N; ++n)
             for (int k = 0; k < K; ++k) ref[m * N + n] += a[m * K + k] * int8_weight(codes, consts, bits, K, n, k);
         check(digits == 1 ? "int8_gemm, one digit" : "int8_gemm, two digits", c, ref, digits == 1 ? 3e-2 : 3e-4);
+        for (int m : {0, M - 1}) {  // a row alone: the same bits as in the batch
+          std::vector<float> alone(N);
+          lm_int8_gemm(a.data() + (size_t)m * K, 1, codes.data(), consts.data(), alone.data(), 0, 1, N, K, bits,
+                       digits, 0, 2);
+          if (memcmp(alone.data(), c.data() + (size_t)m * N, N * 4) != 0) {
+            fprintf(stderr, "int8_gemm: row %d of %d differs alone (bits %d, digits %d)\n", m, M, bits, digits);
+            ++failures;
+          }
+        }
         emit(c.data(), c.size() * 4);
       }
 }
