@@ -49,15 +49,22 @@ ATTENTION_BATCHES = [("prefill 256", [256], [256]), ("decode 16 x 325", [1] * 16
 
 
 def build(kernel: str, rev: str, into: Path) -> ctypes.CDLL:
-    """``kernel``.cpp at ``rev`` compiled into ``into``."""
+    """``kernel``.cpp at ``rev`` compiled into ``into``, with that revision's headers."""
     src = into / rev
     src.mkdir()
-    for name in (f"{kernel}.cpp", "simd.h"):
+    for name in [f"{kernel}.cpp", *(h.name for h in (ROOT / KERNELS).glob("*.h"))]:
         path = KERNELS / name
-        text = (ROOT / path).read_text() if rev == "WORKTREE" else subprocess.run(
-            ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+        if rev == "WORKTREE":
+            text = (ROOT / path).read_text()
+        else:
+            shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+            if shown.returncode and name.endswith(".h"):
+                continue  # a header that revision had not
+            shown.check_returncode()
+            text = shown.stdout
         (src / name).write_text(text)
-    subprocess.run(["g++", *compile_flags(), str(src / f"{kernel}.cpp"), "-o", str(src / "k.so")], check=True)
+    subprocess.run(["g++", *compile_flags(kernel), str(src / f"{kernel}.cpp"), "-o", str(src / "k.so")],
+                   check=True)
     return ctypes.CDLL(str(src / "k.so"))
 
 

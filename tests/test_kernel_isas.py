@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from lmserve.kernels.build import ISA_ENV, ISAS as ALL_ISAS, kernel_isas, selected_isa, supported_isas
+from lmserve.kernels.build import (ISA_ENV, ISAS as ALL_ISAS, cpu_flags, kernel_isas, selected_isa,
+                                   supported_isas, tile_state_granted)
 
 RUNS = [isa.name for isa in supported_isas()]  # what this CPU runs, best first
 # The same, the one chosen by default first: the others are compared with it.
@@ -206,37 +207,56 @@ HARNESS_BUILDS = [
 ]
 
 
-def test_every_build_matches_a_scalar_reference_and_each_others_bits(tmp_path):
-    """The portable kernels built for AMX, AVX-512, AVX2 and Arm64 NEON (with and without i8mm,
-    under qemu-user): each within its stated tolerance of a plain scalar reference written from the
-    layouts (int8 activations: 3e-2 of the output scale for one digit, 3e-4 for two; bf16
-    matmul: 1e-5 with bf16 activations, 2e-4 with float32 ones; norm 1e-5; SiLU 1e-6), and all
-    with the same bits. The AMX build runs on any AVX-512 CPU: where Linux grants no tiles it
-    takes its vector path."""
+def run_harness(harness: str, kernels: list[str], tmp_path) -> dict[str, subprocess.CompletedProcess]:
+    """tests/native/``harness``.cpp with ``kernels`` built and run for every ISA this machine
+    can run (x86 ones this CPU has, and AMX's on any AVX-512 CPU; the Arm ones under qemu-user),
+    each run's result by build."""
     tools = ["aarch64-linux-gnu-g++", "qemu-aarch64"]
     missing = [t for t in tools if shutil.which(t) is None]
     if missing and not os.environ.get("CI"):
         pytest.skip(f"{', '.join(missing)} not installed (scripts/setup.sh installs them as root)")
     assert not missing, f"CI must have {', '.join(missing)} (scripts/setup.sh)"
-    sources = [os.path.join(HERE, "native", "isa_harness.cpp")] + [
-        os.path.join(HERE, "..", "lmserve", "kernels", f"{k}.cpp") for k in PORTABLE_KERNELS]
-    outputs = {}
+    sources = [os.path.join(HERE, "native", f"{harness}.cpp")] + [
+        os.path.join(HERE, "..", "lmserve", "kernels", f"{k}.cpp") for k in kernels]
+    runs = {}
     for name, compiler, flags, runner in HARNESS_BUILDS:
         if compiler == "g++" and name not in ISAS and not (name == "amx" and "avx512" in ISAS):
             continue  # an x86 ISA this CPU lacks
-        binary = str(tmp_path / name.replace(" ", "_"))
+        binary = str(tmp_path / f"{harness}-{name.replace(' ', '_')}")
         subprocess.run([compiler, "-O2", "-fopenmp", "-std=c++17", *flags, *sources, "-o", binary],
                        check=True, capture_output=True, timeout=600)
-        run = subprocess.run([*runner, binary], capture_output=True, timeout=600)
-        assert run.returncode == 0, f"{name}: {run.stderr.decode()}"
-        outputs[name] = run.stdout
-    assert len(outputs) >= 3 and len(set(outputs.values())) == 1, \
-        {name: len(out) for name, out in outputs.items()}
+        runs[name] = subprocess.run([*runner, binary], capture_output=True, timeout=600)
+        assert runs[name].returncode == 0, f"{name}: {runs[name].stderr.decode()}"
+    assert len(runs) >= 3
+    return runs
+
+
+def test_every_build_matches_a_scalar_reference_and_each_others_bits(tmp_path):
+    """The portable kernels built for AMX, AVX-512, AVX2 and Arm64 NEON (with and without i8mm,
+    under qemu-user): each within its stated tolerance of a plain scalar reference written from the
+    layouts (int8 activations: 3e-2 of the output scale for one digit, 3e-4 for two; bf16
+    matmul: 1e-5 with bf16 activations, 2e-4 with float32 ones; norm 1e-5; SiLU 1e-6), and all
+    with the same bits. The AMX build multiplies on tiles where the CPU has them, and runs on
+    any AVX-512 CPU: without tiles it takes its vector path."""
+    runs = run_harness("isa_harness", PORTABLE_KERNELS, tmp_path)
+    for name, run in runs.items():
+        tiles = name == "amx" and "amx_tile" in cpu_flags() and tile_state_granted()
+        assert f"int8_gemm tiles: {'on' if tiles else 'off'}" in run.stderr.decode(), name
+    assert len({run.stdout for run in runs.values()}) == 1, {name: len(r.stdout) for name, r in runs.items()}
+
+
+def test_attention_on_every_build_matches_a_scalar_reference_and_each_others_bits(tmp_path):
+    """The paged attention kernel (rotary, cache store, causal attention; a prefill step of two
+    sequences and a decode step; dense and under a sliding window with sinks; float32, bf16 and
+    int8 caches) on every build: float32 within 1e-5 of the output scale of a scalar reference,
+    and every output and cache byte the same on each."""
+    runs = run_harness("attention_harness", ["paged_attention"], tmp_path)
+    assert len({run.stdout for run in runs.values()}) == 1, {name: len(r.stdout) for name, r in runs.items()}
 
 
 def test_every_kernel_compiles_for_arm64(tmp_path):
-    """The kernels the harness does not run (attention, the recurrent decode, the all-reduce,
-    the call list) build for Arm64 too."""
+    """The kernels the harnesses do not run (the recurrent decode, the all-reduce, the call
+    list) build for Arm64 too."""
     if shutil.which("aarch64-linux-gnu-g++") is None and not os.environ.get("CI"):
         pytest.skip("aarch64-linux-gnu-g++ not installed (scripts/setup.sh installs it as root)")
     for name in KERNELS:

@@ -80,17 +80,17 @@ _OPTIONAL = {"avx2": (("avx_vnni", "-mavxvnni"),), "neon": (("i8mm", "-march=arm
 
 
 def supported_isas() -> list[Isa]:
-    """The instruction sets this CPU runs, best first (AMX only where Linux grants the tiles)."""
+    """The instruction sets this CPU runs, best first."""
     cpu, machine = cpu_flags(), platform.machine()
-    return [isa for isa in ISAS if isa.machine == machine and all(f in cpu for f in isa.needs)
-            and ("amx_tile" not in isa.needs or _tile_state_granted())]
+    return [isa for isa in ISAS if isa.machine == machine and all(f in cpu for f in isa.needs)]
 
 
 @functools.cache
-def _tile_state_granted() -> bool:
+def tile_state_granted() -> bool:
     """Whether Linux gives this process AMX's tile state when asked (arch_prctl
     ARCH_REQ_XCOMP_PERM for XTILEDATA, as the kernels ask again): a kernel refused would
-    fault at its first tile instruction."""
+    fault at its first tile instruction. Asked only of a process that chose AMX: the grant
+    cannot be undone and makes Linux refuse small alternate signal stacks."""
     sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
     try:
         args = map(ctypes.c_long, (sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata))
@@ -113,6 +113,9 @@ def selected_isa() -> Optional[Isa]:
             raise ValueError(f"{ISA_ENV}={wanted!r}: " + (
                 f"this CPU runs {', '.join(i.name for i in supported) or 'none of them'}"
                 if wanted in known else f"unknown; the kernels are built for {', '.join(known)}"))
+        if "amx_tile" in match[0].needs and not tile_state_granted():
+            raise ValueError(f"{ISA_ENV}={wanted!r}: Linux refused this process AMX's tile state "
+                             "(arch_prctl ARCH_REQ_XCOMP_PERM)")
         return match[0]
     return next((isa for isa in supported if isa.default), None)
 
@@ -202,7 +205,7 @@ def why_unavailable(name: str) -> Optional[str]:
         return (f"the CPU has none of the instruction sets the kernels are built for "
                 f"({', '.join(i.name for i in ISAS)})")
     if kernel_isa(name).name not in kernel_isas(name):
-        return f"it has no {isa.name} version yet"
+        return f"it has no {kernel_isa(name).name} version yet"
     if shutil.which("g++") is None:
         return "no g++ compiler on PATH"
     return None

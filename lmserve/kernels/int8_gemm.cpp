@@ -133,6 +133,10 @@ inline void prefetch_block(const Args& p, int64_t j, int g) {
   }
 }
 
+// The integer accumulator of a block's products: N16 for nibble codes, I16 for full bytes.
+template <int BITS> struct Accumulator { using type = I16; };
+template <> struct Accumulator<4> { using type = N16; };
+
 // C[m0 : m0+MR, 16 * j0 : 16 * (j0+NR)]; with kAsk it also asks for the weights of groups
 // next_j .. next_j+NR-1 in L2, a block per block it computes (a compile-time choice: a test in
 // the block loop cost tiles that do not ask 3%).
@@ -143,14 +147,27 @@ void tile(const Args& p, int m0, int j0, int next_j) {
   F16 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int r = 0; r < NR; ++r) acc[i][r] = fzero();
-  // 4-bit codes are below 128 (cheaper products where they are emulated); 8-bit ones are not.
-  auto dot = [](I16 s, B64 w, B64 q) { return BITS == 4 ? dpbusd_small(s, w, q) : dpbusd(s, w, q); };
+  // 4-bit codes are nibbles (their products stay 16-bit where dot products are emulated: at most
+  // 8 of them add to each accumulator in a block); 8-bit ones are full bytes.
+  using Acc = typename Accumulator<BITS>::type;
+  auto dot = [](Acc s, B64 w, B64 q) {
+    if constexpr (BITS == 4) return dot_nibbles(s, w, q);
+    else return dpbusd(s, w, q);
+  };
+  auto sums = [](Acc s) {
+    if constexpr (BITS == 4) return widen(s);
+    else return s;
+  };
+  auto zero = [] {
+    if constexpr (BITS == 4) return nzero();
+    else return izero();
+  };
   for (int g = 0; g < G; ++g) {
     // Two integer accumulators per output vector: the two digits, or with one digit its even
     // and odd dot products (independent chains), combined exactly at the end of the block.
-    I16 s0[MR][NR], s1[MR][NR];
+    Acc s0[MR][NR], s1[MR][NR];
     for (int i = 0; i < MR; ++i)
-      for (int r = 0; r < NR; ++r) s0[i][r] = s1[i][r] = izero();
+      for (int r = 0; r < NR; ++r) s0[i][r] = s1[i][r] = zero();
     // One step: weight vectors wa, wb (NR each) against activation words at offsets oa, ob.
     auto step = [&](const B64* wa, const B64* wb, int oa, int ob) {
       for (int i = 0; i < MR; ++i) {
@@ -196,7 +213,8 @@ void tile(const Args& p, int m0, int j0, int next_j) {
       const int64_t k = ((int64_t)(j0 + r) * G + g) * 32;
       const F16 scale = load_consts(p, k), zero = load_consts(p, k + 16);
       for (int i = 0; i < MR; ++i) {
-        const I16 sum = DIGITS == 1 ? iadd(s0[i][r], s1[i][r]) : iadd(ishl<8>(s0[i][r]), s1[i][r]);
+        const I16 a = sums(s0[i][r]), b = sums(s1[i][r]);
+        const I16 sum = DIGITS == 1 ? iadd(a, b) : iadd(ishl<8>(a), b);
         acc[i][r] = add_block(p, acc[i][r], sum, scale, zero, m0 + i, g);
       }
     }
@@ -230,8 +248,7 @@ void rows(const Args& p, int m0, int m_end, int j0, int next_j = -1) {
 
 #if LM_AMX
 // Tiles: 0, 1: one block's first-digit sums for groups j0 and j0+1 (16 x 16 int32); 2, 3: its
-// second-digit sums, or with one digit the next block's; 4, 5: 16 rows' digits of a block
-// (16 x 32 bytes); 6, 7: the two groups' codes of the block, 8 rows of
+// second-digit sums; 4, 5: 16 rows' first and second digits of the block (16 x 32 bytes); 6, 7: the two groups' codes of the block, 8 rows of
 // 16 x 4 bytes: the layout's vectors as they are for 8-bit codes, split into low and high
 // nibbles for 4-bit ones (elements 0..15, then 16..31).
 constexpr TileShape kTiles[8] = {{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 32}, {16, 32}, {8, 64}, {8, 64}};
@@ -270,21 +287,16 @@ const uint8_t* tile_codes(const Args& p, int j0, std::vector<uint8_t>& buffer) {
   }
 
 // Block g's integer sums of rows m0 .. m0+15 against the NC groups' codes (TDPBSUD: signed
-// activation digits times unsigned codes) into out[digit][group]. One digit alternates between
-// tiles 0, 1, 4 and 2, 3, 5 (`odd`), so two blocks are in flight.
+// activation digits times unsigned codes) into out[digit][group].
 template <int DIGITS, int NC>
-inline void tile_sums(const Args& p, const uint8_t* codes, int m0, int g, bool odd, int32_t (*out)[NC][16][16]) {
+inline void tile_sums(const Args& p, const uint8_t* codes, int m0, int g, int32_t (*out)[NC][16][16]) {
   const int G = p.K / 32;
   const int64_t at = (int64_t)m0 * p.K + g * 32;
   _tile_loadd(6, codes + (int64_t)g * kTileBytes, 64);
   if constexpr (NC == 2) _tile_loadd(7, codes + (int64_t)(G + g) * kTileBytes, 64);
+  LM_DIGIT_SUMS(0, 1, 4, p.q + at, out[0]);
   if constexpr (DIGITS == 2) {
-    LM_DIGIT_SUMS(0, 1, 4, p.q + at, out[0]);
     LM_DIGIT_SUMS(2, 3, 5, p.q2 + at, out[DIGITS - 1]);
-  } else if (odd) {
-    LM_DIGIT_SUMS(2, 3, 5, p.q + at, out[0]);
-  } else {
-    LM_DIGIT_SUMS(0, 1, 4, p.q + at, out[0]);
   }
 }
 #undef LM_DIGIT_SUMS
@@ -299,6 +311,7 @@ int amx_rows(const Args& p, int m0, int m_end, int j0, int next_j) {
   const int G = p.K / 32;
   thread_local std::vector<uint8_t> buffer;
   const uint8_t* codes = tile_codes<BITS, NC>(p, j0, buffer);
+  asm volatile("" ::: "memory");  // the unpacked codes are in memory before the tiles read them
   alignas(64) int32_t sums[kRun][DIGITS][NC][16][16];
   alignas(64) float acc[NC][16][16];
   for (; m0 + 16 <= m_end; m0 += 16, next_j = -1) {
@@ -309,7 +322,7 @@ int amx_rows(const Args& p, int m0, int m_end, int j0, int next_j) {
       for (int b = 0; b < run; ++b) {
         if (next_j >= 0)
           for (int c = 0; c < NC; ++c) prefetch_block<BITS>(p, next_j + c, g0 + b);
-        tile_sums<DIGITS, NC>(p, codes, m0, g0 + b, b % 2 == 1, sums[b]);
+        tile_sums<DIGITS, NC>(p, codes, m0, g0 + b, sums[b]);
       }
       for (int c = 0; c < NC; ++c) {
         F16 a[16];
@@ -422,6 +435,16 @@ void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* co
     if (amx) _tile_release();
 #endif
   }
+}
+
+// Whether this build multiplies groups of 16 rows on AMX tiles in this process (an "amx" build
+// that Linux granted the tile state).
+int lm_int8_gemm_tiles() {
+#if LM_AMX
+  return amx_ready();
+#else
+  return 0;
+#endif
 }
 
 // The same with its arguments as 64-bit words, in order, for call lists (call_list.cpp).

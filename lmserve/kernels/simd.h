@@ -196,6 +196,21 @@ inline I16 dpbusd(I16 acc, B64 u, B64 s) {
   return _mm512_add_epi32(dpbusd_small(acc, _mm512_and_si512(u, nib), s), hi);
 }
 #endif
+// Dot products of nibble codes (u < 16) with signed bytes, summed in an N16 until widened to
+// I16: where dpbusd is emulated, vpmaddubsw's 16-bit pair sums (at most 2 * 15 * 128 = 3840)
+// add up in 16 bits for up to 8 products, and one vpmaddwd widens them; where it is an
+// instruction, N16 is I16. The same integers either way.
+#if defined(__AVX512VNNI__)
+using N16 = I16;
+inline N16 nzero() { return _mm512_setzero_si512(); }
+inline N16 dot_nibbles(N16 acc, B64 u, B64 s) { return dpbusd(acc, u, s); }
+inline I16 widen(N16 acc) { return acc; }
+#else
+using N16 = __m512i;  // 32 int16 pair sums
+inline N16 nzero() { return _mm512_setzero_si512(); }
+inline N16 dot_nibbles(N16 acc, B64 u, B64 s) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s)); }
+inline I16 widen(N16 acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+#endif
 // acc[i] += x[2i+1] * w[2i+1], then += x[2i] * w[2i]: bf16 pairs, as vdpbf16ps (without
 // AVX512-BF16, its arithmetic in two FMAs: a product of two bf16 values is exact in float32).
 // pack_bf16: 32 floats (lo: elements 0..15, hi: 16..31) rounded to bf16, nearest even.
@@ -554,6 +569,23 @@ inline I16 dpbusd(I16 acc, B64 u, B64 s) {
 inline I16 dpbusd_small(I16 acc, B64 u, B64 s) {
   return each<I16>([&](int k) { return ir_dpbusd(acc.r[k], u.r[k], s.r[k], false); });
 }
+// N16 and dot_nibbles: as in the AVX-512 section (vpmaddubsw's pair sums where AVX2 has no
+// AVX-VNNI; dot products summed in I16 elsewhere).
+#if LM_AVX2 && !defined(__AVXVNNI__)
+struct N16 { IR r[kRegs]; };
+inline N16 nzero() { return each<N16>([](int) { return _mm256_setzero_si256(); }); }
+inline N16 dot_nibbles(N16 acc, B64 u, B64 s) {
+  return each<N16>([&](int k) { return _mm256_add_epi16(acc.r[k], _mm256_maddubs_epi16(u.r[k], s.r[k])); });
+}
+inline I16 widen(N16 acc) {
+  return each<I16>([&](int k) { return _mm256_madd_epi16(acc.r[k], _mm256_set1_epi16(1)); });
+}
+#else
+using N16 = I16;
+inline N16 nzero() { return izero(); }
+inline N16 dot_nibbles(N16 acc, B64 u, B64 s) { return dpbusd_small(acc, u, s); }
+inline I16 widen(N16 acc) { return acc; }
+#endif
 // vdpbf16ps's arithmetic: the odd pair's product added first, then the even one's, each
 // rounded once (a product of two bf16 values is exact in float32, so an FMA is that step).
 inline F16 dpbf16(F16 acc, B64 x, B64 w) {

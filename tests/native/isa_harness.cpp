@@ -13,6 +13,7 @@
 extern "C" {
 void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* consts, void* c,
                   int out_bf16, int M, int N, int K, int bits, int digits, int half_consts, int threads);
+int lm_int8_gemm_tiles();
 void lm_block_gemm(const void* a, int a_f32, const uint8_t* codes, const float* consts, void* c,
                    int out_bf16, int M, int N, int K, int bits, int threads);
 void lm_add_rms_norm(float* x, const void* delta, int delta_bf16, const float* weight, float eps,
@@ -104,7 +105,7 @@ std::vector<uint8_t> random_bytes(size_t n) {
 }
 
 void int8_cases() {
-  const int N = 48, K = 96;
+  const int N = 48, K = 320;  // 3 groups of 16 weight rows; 10 blocks: AMX's runs of 8, then 2
   for (int bits : {4, 8})
     for (int digits : {1, 2})
       for (int M : {1, 5, 37, 100}) {  // 37 and 100: groups of 16 rows on AMX, and the rest
@@ -199,6 +200,7 @@ void fused_cases() {
 }  // namespace
 
 int main() {
+  fprintf(stderr, "int8_gemm tiles: %s\n", lm_int8_gemm_tiles() ? "on" : "off");
   int8_cases();
   block_cases();
   fused_cases();
