@@ -1,7 +1,10 @@
 """One-stream decode and 512-token prefill: lmserve against llama.cpp, in one run, same GGUF file.
 
-llama.cpp is driven through llama-cpp-python (``pip install llama-cpp-python``; it builds
-llama.cpp from source, about 7 minutes on 2 cores) with as many threads as torch uses. Both
+llama.cpp is driven through llama-cpp-python with as many threads as torch uses: either
+``pip install llama-cpp-python`` (it builds llama.cpp from source, about 7 minutes on 2 cores), or
+its Python part alone (``CMAKE_ARGS=-DLLAMA_BUILD=OFF pip install --no-deps`` its sdist, and
+``diskcache``) over a build of ``scripts/build_llama_cpp.sh`` named by
+``LLAMA_CPP_LIB_PATH=OUT_DIR/bin``, which is how a native and an AVX2 build are compared. Both
 engines prefill fresh prompts (lmserve's prefix cache is off, llama.cpp's context is reset) and
 decode greedily with end-of-sequence ignored. lmserve is timed end to end through its Python API
 (streaming, sampling and detokenizing included); llama.cpp only inside its ``eval`` calls. The
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import multiprocessing
+import os
 import random
 import statistics
 import time
@@ -100,7 +104,7 @@ def main() -> None:
 
     rows = []
     lp, ld = in_process(llama_cpp_run, args.prompt_len, args.decode, args.repeats, 49152)
-    rows.append(("llama.cpp (llama-cpp-python)", lp, ld))
+    rows.append((f"llama.cpp ({os.environ.get('LLAMA_CPP_LIB_PATH', 'llama-cpp-python')})", lp, ld))
     for opt in opts:
         p, d = in_process(lmserve_run, opt, args.prompt_len, args.decode, args.repeats)
         rows.append((f"lmserve opt={opt}", p, d))

@@ -149,8 +149,10 @@ def arrival_times(count: int, request_rate: float, seed: int) -> list[float]:
 
 def _session(max_concurrency: Optional[int]) -> aiohttp.ClientSession:
     # aiohttp caps a session at 100 connections unless told otherwise, which would silently
-    # bound the concurrency of an unbounded run.
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    # bound the concurrency of an unbounded run. A connection per request: a server closes a
+    # kept-alive one on its own terms (llama-server's HTTP library after a few requests), and a
+    # request written to a connection being closed fails.
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=True)
     return aiohttp.ClientSession(connector=connector, timeout=_REQUEST_TIMEOUT)
 
 
