@@ -7,11 +7,10 @@ flags and the CPU's feature flags.
 
 The one dispatch point: ``selected_isa()`` picks the instruction set every kernel is built for,
 the best this CPU has (AVX-512, AVX2, Arm64 NEON; AMX on request), or the one ``LMSERVE_ISA``
-names. Each
-kernel source says which it supports on its first line (``// lmserve-isa: avx512 avx2 neon``); a
-kernel without the selected one builds for the ISA that one extends (AMX extends AVX-512) if it
-has that, else a missing version, compiler or build leaves the kernel unavailable and its
-callers fall back to the torch path (``describe_kernels`` says which op runs where).
+names. Each kernel source says which it supports on its first line (``// lmserve-isa: avx512
+avx2 neon``); a kernel without the selected one builds for the ISA that one extends (AMX extends
+AVX-512) if it has that, else a missing version, compiler or build leaves the kernel unavailable
+and its callers fall back to the torch path (``describe_kernels`` says which op runs where).
 
 A process serving a model library (``lmserve.library``) loads the library's own builds instead
 (``use_prebuilt_kernels``) and never runs the compiler.
@@ -62,8 +61,8 @@ class Isa:
 
 
 # Best first. AMX is AVX-512 plus the tile instructions of Sapphire Rapids on, in the kernels
-# that have a tile path (LM_AMX); only on request so far, as its int8 matmul is not yet faster
-# than AVX-512's (docs/performance.md). AVX-512 builds for the CPU itself (its VNNI, BF16 and
+# that have a tile path (LM_AMX); only on request so far, as its int8 matmul is slower than
+# AVX-512's on 4-bit weights (docs/performance.md). AVX-512 builds for the CPU itself (its VNNI, BF16 and
 # tuning) without tiles; AVX2 for the x86-64 v3 level (Haswell, Zen 1 on), with AVX-VNNI where
 # present; NEON for ARMv8.2 with dot products.
 _AVX512_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")

@@ -248,9 +248,9 @@ void rows(const Args& p, int m0, int m_end, int j0, int next_j = -1) {
 
 #if LM_AMX
 // Tiles: 0, 1: one block's first-digit sums for groups j0 and j0+1 (16 x 16 int32); 2, 3: its
-// second-digit sums; 4, 5: 16 rows' first and second digits of the block (16 x 32 bytes); 6, 7: the two groups' codes of the block, 8 rows of
-// 16 x 4 bytes: the layout's vectors as they are for 8-bit codes, split into low and high
-// nibbles for 4-bit ones (elements 0..15, then 16..31).
+// second-digit sums; 4, 5: 16 rows' first and second digits of the block (16 x 32 bytes); 6, 7:
+// the two groups' codes of the block, 8 rows of 16 x 4 bytes: the layout's vectors as they are
+// for 8-bit codes, split into low and high nibbles for 4-bit ones (elements 0..15, then 16..31).
 constexpr TileShape kTiles[8] = {{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 32}, {16, 32}, {8, 64}, {8, 64}};
 constexpr int kTileBytes = 512;  // a block of 16 rows' codes as tile rows
 constexpr int kRun = 8;          // blocks whose sums wait in L1 for their float steps
