@@ -30,6 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lmserve.config import DEFAULT_OPT_LEVEL
 from lmserve.models.builtin import builtin_model_path
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 261, 128
@@ -105,7 +106,7 @@ def main() -> None:
     args = ap.parse_args()
     lmserve = [sys.executable, "-m", "lmserve.cli"]
     serve = [*lmserve, "serve", "--port", str(args.port), "--mode", "server"]
-    servers = [Server(f"lmserve {args.opt or 'O2'}", serve + (["--opt", args.opt] if args.opt else []),
+    servers = [Server(f"lmserve {args.opt or DEFAULT_OPT_LEVEL}", serve + (["--opt", args.opt] if args.opt else []),
                       f"http://127.0.0.1:{args.port}")]
     for i, spec in enumerate(args.llama_server):
         name, _, binary = spec.partition("=")
