@@ -198,3 +198,20 @@ def test_float32_activations_keep_about_16_bits(m):
     err32 = (out - ref).abs().max() / ref.abs().max()
     err16 = (layer(x.bfloat16()).float() - ref).abs().max() / ref.abs().max()
     assert err32 < 1e-4 and err32 * 20 < err16
+
+
+def test_float32_dense_rows_of_a_multi_row_matmul_do_not_depend_on_the_other_rows():
+    """The torch path's float32 matmul (oneDNN): every row of a call of 2+ rows is the same
+    bits whatever the row count (MKL's sgemm, torch's F.linear, differs past each multiple of
+    8 rows); one row alone may differ in its last bits. All within float32 rounding of the
+    float64 product, bias included."""
+    weight, bias, x = torch.randn(200, 96), torch.randn(200), torch.randn(70, 96)
+    layer = DenseLinear(weight, bias, torch.float32)
+    full = layer(x)
+    for m in [2, 3, 7, 9, 15, 17, 33, 69]:
+        part = layer(x[:m])
+        assert torch.equal(part, full[:m]), m
+        assert torch.equal(layer(x[m - 2 : m])[1], full[m - 1]), m
+    ref = (x.double() @ weight.double().T + bias.double()).float()
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x[:1]), ref[:1], rtol=1e-5, atol=1e-5)

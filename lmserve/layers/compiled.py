@@ -24,7 +24,9 @@ from lmserve.layers.fused import TorchOps
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return F.linear(x.to(weight.dtype), weight, bias)  # as DenseLinear
+    # torch's F.linear, not DenseLinear's oneDNN call: Inductor lowers that op only for weights
+    # frozen into the graph, and these graphs take the weights as arguments.
+    return F.linear(x.to(weight.dtype), weight, bias)
 
 
 def _before_attention(x: torch.Tensor, delta: Optional[torch.Tensor], norm: torch.Tensor, eps: float,
