@@ -92,8 +92,9 @@ class Batch:
         return StepInput([c.seq_step() for c in self.chunks], self.state_copies)
 
 
-# Prompt tokens a sequence scoring its prompt (``prompt_logprobs``) runs a step: each needs a
-# logit row of the whole vocabulary (and its log-softmax), 2 x 256 x V floats at most a step.
+# Prompt tokens that sequences scoring their prompts (``prompt_logprobs``) run in one step, all
+# together: each needs a logit row of the whole vocabulary (and its log-softmax), so the memory
+# plan holds that many rows (``plan.workspace_bytes``).
 SCORED_ROWS_PER_STEP = 256
 
 
@@ -124,6 +125,7 @@ class Scheduler:
         self.pipeline_depth = pipeline_depth
         self.in_flight: set[Sequence] = set()  # scheduled, not updated yet (pipeline_depth > 1)
         self._cap = max_num_sequence  # most sequences in the batch being scheduled
+        self._scoring_left = SCORED_ROWS_PER_STEP  # prompt rows the batch may still score
         self.lookahead = lookahead
         self.max_num_sequence = max_num_sequence
         self.prefill_chunk_size = prefill_chunk_size
@@ -150,6 +152,7 @@ class Scheduler:
         """
         preempted = self.num_preemptions
         self._cap = self._batch_cap()
+        self._scoring_left = SCORED_ROWS_PER_STEP
         decodes_wait = any(s.is_decoding for s in self._ready())
         if (self.prefill_mode == "chunked" and self._has_prefill_work()
                 and not (self._last_step_prefilled and decodes_wait)):
@@ -262,14 +265,21 @@ class Scheduler:
                 continue  # seq preempted itself (it was the newest); nothing left after it
             if not is_decode:
                 budget -= n
-            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=is_decode))
+            chunks.append(self._chunk(seq, n, decode=is_decode))
             i += 1
         return chunks
 
     def _prompt_cap(self, seq: Sequence) -> int:
-        """Most tokens of a chunk of ``seq``: ``SCORED_ROWS_PER_STEP`` while it scores its
-        prompt (a logit row each, of the whole vocabulary), else no limit."""
-        return SCORED_ROWS_PER_STEP if seq.scores_prompt else seq.num_pending
+        """Most tokens of a chunk of ``seq``: while it scores its prompt (a logit row each, of
+        the whole vocabulary), what is left of the step's ``SCORED_ROWS_PER_STEP``; else no
+        limit."""
+        return self._scoring_left if seq.scores_prompt else seq.num_pending
+
+    def _chunk(self, seq: Sequence, n: int, decode: bool) -> ScheduledChunk:
+        """A chunk of ``n`` tokens of ``seq``, counted against the step's scored rows."""
+        if seq.scores_prompt and not decode:
+            self._scoring_left -= n
+        return ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=decode)
 
     def _tokens(self, chunks: list[ScheduledChunk]) -> int:
         """Tokens the chunks run, the draft slots wished for them included (granted later)."""
@@ -312,7 +322,7 @@ class Scheduler:
                 break  # a later choice waits for the first's state (first come, first served)
             reused = self.kv.match_prefix(seq)
             n = self.kv.chunk_limit(seq, min(seq.num_pending, budget, self._prompt_cap(seq)))
-            if not self.kv.allocate(seq, n):
+            if n <= 0 or not self.kv.allocate(seq, n):
                 if reused:  # give the shared prefix back; it is matched again next time
                     self.kv.free(seq)
                 break  # first come, first served: nobody overtakes the head of the queue
@@ -323,8 +333,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             budget -= n
-            chunks.append(ScheduledChunk(seq, n, samples=n == seq.num_pending,
-                                         decode=seq.is_decoding))
+            chunks.append(self._chunk(seq, n, decode=seq.is_decoding))
         return chunks
 
     def _preempt(self, seq: Sequence) -> None:

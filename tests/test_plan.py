@@ -234,9 +234,11 @@ def test_a_draft_model_shares_the_budget_and_its_context_bounds_the_sequence():
 
 def test_a_draft_tree_is_shown_and_its_rows_counted_in_the_workspace():
     """A tree verifies depth x width draft tokens per sequence: the logit rows of the workspace
-    count them all (a chain of the same depth asks fewer)."""
+    count them all (a chain of the same depth asks fewer), where they are more than the rows
+    held for scoring prompts."""
     args = _args(2048)
-    chain = EngineConfig(mode="interactive", speculative_mode="ngram", spec_draft_length=4)
+    chain = EngineConfig(mode="interactive", speculative_mode="ngram", spec_draft_length=4,
+                         max_num_sequence=32)
     tree = dataclasses.replace(chain, spec_tree_width=3)
     plans = [make_plan(c, args, device_memory=4 * GiB) for c in (chain, tree)]
     assert plans[1].speculative == ("ngram, a tree of 3 candidates per depth, 4 deep per "

@@ -4,11 +4,11 @@ from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.sampling_params import SamplingParams
-from lmserve.scheduler import Scheduler
+from lmserve.scheduler import SCORED_ROWS_PER_STEP, Scheduler
 
 
-def seq(name: str, prompt_len: int) -> Sequence:
-    req = Request(name, list(range(prompt_len)), params=SamplingParams())
+def seq(name: str, prompt_len: int, params: SamplingParams = SamplingParams()) -> Sequence:
+    req = Request(name, list(range(prompt_len)), params=params)
     s = Sequence(req, 0, list(range(prompt_len)), seed=None)
     req.seqs.append(s)
     return s
@@ -203,3 +203,17 @@ def test_one_prefill_or_decode_state_a_lone_last_prompt_token_is_prefill():
         ("a", 1, True), ("b", 1, True)]
     s._preempt(b)  # recomputing after a preemption is a prefill again
     assert not b.is_decoding
+
+
+def test_prompts_scored_in_one_step_share_its_scored_rows():
+    """Each scored prompt token is a logit row of the whole vocabulary: the step's sequences
+    together score at most SCORED_ROWS_PER_STEP (what the memory plan holds); others prefill."""
+    n = SCORED_ROWS_PER_STEP
+    _, s = make(num_pages=4 * n, chunk=4 * n, max_seqs=4)
+    scoring = SamplingParams(prompt_logprobs=1)
+    a, b, c = seq("a", n - 56, scoring), seq("b", 100, scoring), seq("c", 300)
+    for x in (a, b, c):
+        s.add(x)
+    # b gets the 56 rows a left; c (not scoring) takes the budget's rest.
+    assert run(s) == [("a", n - 56, True), ("b", 56, False), ("c", 300, True)]
+    assert run(s) == [("a", 1, True), ("b", 44, True), ("c", 1, True)]
