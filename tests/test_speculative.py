@@ -23,7 +23,7 @@ from lmserve.request import Request, Sequence
 from lmserve.scheduler import Scheduler
 from lmserve.spec.adaptive import AdaptiveDraftLength
 from lmserve.spec.draft_model import DraftModelDrafter
-from lmserve.spec.ngram import NgramDrafter, propose_ngram
+from lmserve.spec.ngram import NgramDrafter, draft_depth, propose_ngram
 from lmserve.spec.speculator import Speculator
 from lmserve.spec.tree import DraftTree, num_in_place
 
@@ -65,9 +65,9 @@ def chain(tree: DraftTree) -> list[int]:
 
 def test_prompt_lookup_takes_what_followed_the_latest_longest_match():
     tokens = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
-    # Suffix [2, 3] (no earlier [5, 2, 3]); its latest earlier occurrence is at 5, followed by 7, 8.
-    assert chain(propose_ngram(tokens, 3, min_n=2, max_n=3)) == [7, 8, 5]
-    assert chain(propose_ngram(tokens, 1, min_n=2, max_n=3)) == [7]
+    # Suffix [2, 3] (no earlier [5, 2, 3]); its latest earlier occurrence is at 5, followed by
+    # 7, 8, 5: a 2-token match drafts one token (draft_depth).
+    assert chain(propose_ngram(tokens, 3, min_n=2, max_n=3)) == [7]
     # A longer suffix wins over a later shorter one: [1, 2, 3] at 0 and 4, then 3-grams.
     tokens = np.array([4, 1, 2, 3, 6, 0, 2, 3, 5, 1, 2, 3])
     assert chain(propose_ngram(tokens, 2, min_n=2, max_n=3)) == [6, 0]
@@ -75,14 +75,28 @@ def test_prompt_lookup_takes_what_followed_the_latest_longest_match():
     assert chain(propose_ngram(np.array([7, 7, 7]), 4, min_n=1, max_n=2)) == [7]  # overlapping
 
 
+def test_prompt_lookup_drafts_deeper_after_longer_matches():
+    """A match of m tokens drafts at most 2m - 3: a short one is often a coincidence."""
+    assert [draft_depth(m) for m in (1, 2, 3, 4, 6)] == [1, 1, 3, 5, 9]
+    after = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    for m in (2, 3, 4, 6):
+        suffix = list(range(1, m + 1))
+        tokens = np.array([90] + suffix + after + suffix)  # no earlier 90: the match is m long
+        assert chain(propose_ngram(tokens, 10, min_n=2, max_n=6)) == after[:draft_depth(m)], m
+        assert chain(propose_ngram(tokens, 2, min_n=2, max_n=6)) == after[:min(2, draft_depth(m))], m
+
+
+TREE_TOKENS = [1, 2, 3, 4, 9, 4, 2, 3, 4, 7, 8, 0, 2, 3, 4, 7, 6, 5, 2, 3, 4]
+
+
 def test_prompt_lookup_tree_holds_the_best_different_continuations():
-    # [2, 3] occurs at 1 (then 9, 4), at 5 (then 7, 8), at 10 (then 7, 6) and ends the tokens.
-    tokens = np.array([1, 2, 3, 9, 4, 2, 3, 7, 8, 0, 2, 3, 7, 6, 5, 2, 3])
-    tree = propose_ngram(tokens, 2, min_n=2, max_n=3, width=3)
+    # [2, 3, 4] occurs at 1 (then 9, 4), at 6 (then 7, 8), at 12 (then 7, 6) and ends the tokens.
+    tokens = np.array(TREE_TOKENS)
+    tree = propose_ngram(tokens, 2, min_n=2, max_n=4, width=3)
     # Latest first (the main chain 7, 6), then 7, 8 shares its 7, then 9, 4.
     assert tree.token_ids == [7, 6, 8, 9, 4]
     assert tree.parents == [-1, 0, 0, -1, 3]
-    assert propose_ngram(tokens, 2, min_n=2, max_n=3, width=2).token_ids == [7, 6, 8]
+    assert propose_ngram(tokens, 2, min_n=2, max_n=4, width=2).token_ids == [7, 6, 8]
     # The truncation the scheduler's slots ask for keeps parents before children.
     small = tree.truncated(max_nodes=4, max_depth=1)
     assert (small.token_ids, small.parents) == ([7, 9], [-1, -1])
@@ -465,14 +479,14 @@ def test_admissions_leave_room_for_the_draft_slots_wished():
 def test_the_slots_asked_are_the_nodes_the_drafter_drafts():
     """Prompt lookup asks for its tree's nodes (not depth x width); a draft model for depth x
     width; both stop short of the longest sequence."""
-    tokens = [1, 2, 3, 9, 4, 2, 3, 7, 8, 0, 2, 3, 7, 6, 5, 2, 3]
+    tokens = TREE_TOKENS
     seq = Sequence(Request("a", tokens, SamplingParams(max_tokens=100)), 0, list(tokens), None)
     lookup = Speculator(NgramDrafter(width=3), k=2, max_sequence_length=100)
     assert lookup.lookahead([seq]) == [5]  # 7-6, 7-8, 9-4: 5 nodes, not 6
     model = Speculator(DraftModelDrafter(None, 64, width=3), k=4, max_sequence_length=100)
     assert model.lookahead([seq]) == [12]
-    near_end = Speculator(DraftModelDrafter(None, 64, width=3), k=4, max_sequence_length=25)
-    assert near_end.lookahead([seq]) == [7]  # positions 17..23 at most: 25 - 17 - 1
+    near_end = Speculator(DraftModelDrafter(None, 64, width=3), k=4, max_sequence_length=29)
+    assert near_end.lookahead([seq]) == [7]  # positions 21..27 at most: 29 - 21 - 1
 
 
 def test_the_adaptive_length_asks_the_drafter_nothing_when_it_chooses_not_to_draft():

@@ -6,6 +6,14 @@ rewrites and code edits copy long runs of their input. The longest suffix of ``m
 ``min_n`` tokens with an earlier occurrence wins, and its latest occurrence is used. With a tree
 width ``w`` > 1, the ``w`` best occurrences (longest match, then latest) with different
 continuations are drafted together as a tree (shared beginnings once).
+
+How far to trust a match grows with its length: a match of ``m`` tokens drafts at most
+``2m - 3`` (``draft_depth``). Replaying the built-in model's greedy answers to the benchmark's
+input-grounded prompts, the first draft after a 2-token match was right 53% of the time and
+the fourth 24%, after a 4-token match 87% and 55%, after 6 tokens or more 89-96% and 62-86%.
+On a CPU every drafted token costs a share of a step, so short matches draft little and long
+ones deep: in that replay the rule gave 10-14% more tokens per unit of step cost than drafting
+a fixed 4 or 8 after every match.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ class NgramDrafter:
     """Proposes up to ``k`` tokens deep per sequence by prompt lookup, ``width`` continuations;
     deterministic (q = 1 on its tokens), so verification needs no draft probabilities."""
 
-    def __init__(self, width: int = 1, min_n: int = 2, max_n: int = 4) -> None:
+    def __init__(self, width: int = 1, min_n: int = 2, max_n: int = 6) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.width = width
@@ -47,10 +55,16 @@ class NgramDrafter:
         self._proposals = {}
 
 
+def draft_depth(matched: int) -> int:
+    """Most tokens drafted after a match of ``matched`` tokens (see the module docstring)."""
+    return max(1, 2 * matched - 3)
+
+
 def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int, width: int = 1) -> DraftTree:
-    """The up to ``k`` tokens after the latest earlier occurrence of the longest suffix of
-    ``tokens`` of ``max_n`` down to ``min_n`` tokens (then those after the next best occurrences,
-    up to ``width`` different continuations); an empty tree when there is none.
+    """The up to ``k`` tokens (``draft_depth`` of the match at most) after the latest earlier
+    occurrence of the longest suffix of ``tokens`` of ``max_n`` down to ``min_n`` tokens (then
+    those after the next best occurrences, up to ``width`` different continuations); an empty
+    tree when there is none.
 
     One pass over the tokens finds the earlier occurrences of the last token; the match is then
     extended backwards at all of them at once (a step costs microseconds, not a scan per n).
@@ -73,7 +87,8 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int, width: int
         if matched[i] < min_n or added == width:
             break
         size, node = len(tree), -1
-        for token in tokens[ends[i] + 1 : ends[i] + 1 + k].tolist():
+        depth = min(k, draft_depth(int(matched[i])))
+        for token in tokens[ends[i] + 1 : ends[i] + 1 + depth].tolist():
             node = tree.add(node, token)
         added += len(tree) > size
     return tree
