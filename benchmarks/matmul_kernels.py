@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from lmserve.layers.blocks import from_gguf_blocks
-from lmserve.layers.linear import BlockLinear
+from lmserve.layers.linear import BlockLinear, dense_linear
 
 SHAPES = [("q/k/v", 960, 576, "Q4_1"), ("o", 576, 576, "Q4_1"), ("gate/up", 3072, 576, "Q4_1"),
           ("down", 576, 1536, "Q4_1"), ("head", 49152, 576, "Q8_0")]
@@ -64,7 +64,7 @@ def main() -> None:
             ref = x.double() @ dense.double().T
             runs = {f"lmserve {a}": (lambda a=a: layers[a](x.bfloat16() if a == "bfloat16" else x))
                     for a in ACTS}
-            runs["torch float32"] = lambda: F.linear(x, dense)
+            runs["torch float32"] = lambda: dense_linear(x, dense, None)  # O0's (oneDNN)
             runs["torch bfloat16"] = lambda: F.linear(x.bfloat16(), dense16)
             cells = []
             for name in names:

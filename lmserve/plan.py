@@ -401,8 +401,9 @@ def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per
 
     A step holds at most ``max(chunk, batch)`` tokens: their float32 activations (residual,
     q/k/v, the gate/up product, with one spare copy each), the logits of up to ``logit_rows``
-    rows (``batch``; more when drafts are verified), or of the ``SCORED_ROWS_PER_STEP`` prompt
-    tokens a step may score (``prompt_logprobs``) if more, with the sampler's copies, and, when
+    sampled rows (``batch``; more when drafts are verified) with the sampler's copies, and of
+    the ``SCORED_ROWS_PER_STEP`` prompt tokens a step may score beside them (``prompt_logprobs``:
+    the rows and their log-softmax), and, when
     attention ``gathers_kv`` (the torch path), the float32 KV that decode attention gathers for
     one layer at a time (at worst ``batch`` sequences padded to
     ``single`` tokens; under a sliding window the keys one query sees). The C++ paged kernel
@@ -412,8 +413,7 @@ def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per
     tokens = max(chunk, batch)
     qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
     activations = 2 * tokens * (4 * args.hidden_size + qkv + 2 * args.intermediate_size) * 4
-    rows = max(logit_rows or batch, min(tokens, SCORED_ROWS_PER_STEP))
-    logits = 4 * rows * args.vocab_size * 4
+    logits = (4 * (logit_rows or batch) + 2 * min(tokens, SCORED_ROWS_PER_STEP)) * args.vocab_size * 4
     per_layer_kv = kv_per_token // max(1, len(args.attention_layers))  # one token, one layer
     gather = 3 * batch * single * per_layer_kv if gathers_kv else 0  # pages + float32 copy
     scores = 3 * args.num_heads * tokens * window_keys * 4 if gathers_kv else 0

@@ -271,15 +271,17 @@ class Scheduler:
 
     def _prompt_cap(self, seq: Sequence) -> int:
         """Most tokens of a chunk of ``seq``: while it scores its prompt (a logit row each, of
-        the whole vocabulary), what is left of the step's ``SCORED_ROWS_PER_STEP``; else no
-        limit."""
-        return self._scoring_left if seq.scores_prompt else seq.num_pending
+        the whole vocabulary), the tokens it scored already (recomputed after a preemption)
+        and what is left of the step's ``SCORED_ROWS_PER_STEP``; else no limit."""
+        if not seq.scores_prompt:
+            return seq.num_pending
+        return max(0, len(seq.request.prompt_logprobs) - seq.num_computed) + self._scoring_left
 
     def _chunk(self, seq: Sequence, n: int, decode: bool) -> ScheduledChunk:
-        """A chunk of ``n`` tokens of ``seq``, counted against the step's scored rows."""
-        if seq.scores_prompt and not decode:
-            self._scoring_left -= n
-        return ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=decode)
+        """A chunk of ``n`` tokens of ``seq``, its scored rows counted against the step's."""
+        chunk = ScheduledChunk(seq, n, samples=n == seq.num_pending, decode=decode)
+        self._scoring_left -= len(chunk.prompt_rows)
+        return chunk
 
     def _tokens(self, chunks: list[ScheduledChunk]) -> int:
         """Tokens the chunks run, the draft slots wished for them included (granted later)."""

@@ -207,13 +207,20 @@ def test_one_prefill_or_decode_state_a_lone_last_prompt_token_is_prefill():
 
 def test_prompts_scored_in_one_step_share_its_scored_rows():
     """Each scored prompt token is a logit row of the whole vocabulary: the step's sequences
-    together score at most SCORED_ROWS_PER_STEP (what the memory plan holds); others prefill."""
+    together score at most SCORED_ROWS_PER_STEP (what the memory plan holds); others prefill,
+    and tokens scored before a preemption run again without counting."""
     n = SCORED_ROWS_PER_STEP
     _, s = make(num_pages=4 * n, chunk=4 * n, max_seqs=4)
     scoring = SamplingParams(prompt_logprobs=1)
-    a, b, c = seq("a", n - 56, scoring), seq("b", 100, scoring), seq("c", 300)
+    a, b, c = seq("a", 200, scoring), seq("b", 100, scoring), seq("c", 300)
     for x in (a, b, c):
         s.add(x)
-    # b gets the 56 rows a left; c (not scoring) takes the budget's rest.
-    assert run(s) == [("a", n - 56, True), ("b", 56, False), ("c", 300, True)]
-    assert run(s) == [("a", 1, True), ("b", 44, True), ("c", 1, True)]
+    # a scores 199 rows (its last token's row samples); b gets the n - 199 left; c, not
+    # scoring, takes the rest of the budget.
+    assert run(s) == [("a", 200, True), ("b", n - 199, False), ("c", 300, True)]
+    assert run(s) == [("a", 1, True), ("b", 100 - (n - 199), True), ("c", 1, True)]
+    # d scored 150 tokens before it was preempted: those and n more rows fit one step.
+    d = seq("d", 600, scoring)
+    d.request.prompt_logprobs.extend([None] * 150)
+    s.add(d)
+    assert run(s)[-1] == ("d", 150 + n, False)

@@ -2,8 +2,10 @@
 blocks of 4-bit/8-bit codes multiplied by lmserve's C++ kernels (kernels/block_gemm.cpp with
 bf16 dot products, kernels/int8_gemm.cpp with int8 activations and VNNI integer dot products).
 
-Both kinds compute every output row the same way whatever the number of rows in the call, so a
-token's result does not depend on its batch company.
+The block kernels compute every output row the same way whatever the number of rows in the
+call, so a token's result does not depend on its batch company. Dense float32 weights go
+through oneDNN (``dense_linear``), which does so for calls of two or more rows (one row alone
+takes its own path, last bits apart).
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     through oneDNN.
 
     torch's float32 ``F.linear`` calls MKL's sgemm, which on AMD Zen 4 ran a 7-row matmul with
-    the 49152-row head 4.7x slower than oneDNN (35 ms against 7.6: a verify step of speculative
-    decoding), and a one-row one 2.3x slower; it also gives the rows past the last multiple of 8
+    the 49152-row head 4.6x slower than oneDNN (35 ms against 7.6: a verify step of speculative
+    decoding), and a one-row one 2.1x slower (10 ms against 4.8); it also gives the rows past the last multiple of 8
     other bits than the rest. oneDNN computes every row of a matmul of two or more rows alike
     (a single row takes its own path, last bits apart, as in MKL).
     """
