@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -31,6 +30,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+
+from lmserve.kernels.build import cpu_name
 
 
 def free_port() -> int:
@@ -83,9 +84,7 @@ def main() -> None:
     parser.add_argument("--no-cold", action="store_true", help="skip the empty-cache JIT starts")
     args = parser.parse_args()
     model = ["--model", args.model] if args.model else []
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; {args.rounds} rounds, medians")
+    print(f"CPU: {cpu_name()}; {args.rounds} rounds, medians")
     kinds = ["library", "jit"] + ([] if args.no_cold else ["jit-cold"])
     with tempfile.TemporaryDirectory() as tmp:
         results = {}

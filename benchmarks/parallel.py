@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from lmserve.kernels.build import cpu_name
+
 PROMPT = list(range(1000, 1032))
 NEW_TOKENS = 64
 
@@ -110,9 +112,7 @@ def main() -> None:
                                  env={**os.environ, "LMSERVE_TRANSPORT": transport})
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in results.items()}
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), "?")
-    print(f"{os.path.basename(model)}, default level, {os.cpu_count()} cores ({cpu}); "
+    print(f"{os.path.basename(model)}, default level, {cpu_name()}; "
           f"medians of {args.rounds} interleaved rounds; per one-stream decode step, rank 0's "
           f"time in all-reduces, handing out the step, and its pipeline channels")
     print(f"{'layout':<12} {'decode tok/s':>12} {'c=16 tok/s':>11} {'step ms':>8} "

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lmserve.config import DEFAULT_OPT_LEVEL
+from lmserve.kernels.build import cpu_name
 from lmserve.models.builtin import builtin_model_path
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 261, 128
@@ -126,16 +127,6 @@ def main() -> None:
                 server.proc.terminate()
                 server.proc.wait(30)
     report(servers, args)
-
-
-def cpu_name() -> str:
-    """This machine's CPU model and core count, for the report."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = "unknown CPU"
-    return f"{name}, {os.cpu_count()} cores"
 
 
 def report(servers: list[Server], args: argparse.Namespace) -> None:

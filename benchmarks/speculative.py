@@ -32,6 +32,7 @@ import threading
 import time
 
 from lmserve import Engine, SamplingParams
+from lmserve.kernels.build import cpu_name
 from lmserve.models.builtin import builtin_model_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -127,9 +128,7 @@ def main() -> None:
             dict(speculative_mode=args.mode, spec_draft_length=k, spec_tree_width=w, **draft)
         for k in args.lengths for w in args.widths
     }
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), "unknown CPU")
-    print(f"CPU: {cpu}, {os.cpu_count()} cores; opt {args.opt or 'default'}; {args.mode}; "
+    print(f"CPU: {cpu_name()}; opt {args.opt or 'default'}; {args.mode}; "
           f"{args.max_tokens} tokens per request; median of {args.rounds} rounds", flush=True)
 
     # One process per configuration, built once (a long-lived server's engine; the adaptive

@@ -162,17 +162,27 @@ def source_digest(name: str) -> str:
     return hashlib.sha256(source + " ".join(compile_flags(name)).encode()).hexdigest()
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags as Linux names them (``/proc/cpuinfo``: ``flags`` on x86,
-    ``Features`` on Arm)."""
+def _cpuinfo(*keys: str) -> Optional[str]:
+    """The value of the first ``/proc/cpuinfo`` line starting with one of ``keys``, or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(keys):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as Linux names them (``/proc/cpuinfo``: ``flags`` on x86,
+    ``Features`` on Arm)."""
+    return set((_cpuinfo("flags", "Features") or "").split())
+
+
+def cpu_name() -> str:
+    """This CPU's model and core count, for benchmark reports ("AMD EPYC, 2 cores")."""
+    return f"{_cpuinfo('model name') or platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
 
 
 # g++'s names of instruction sets that Linux spells otherwise (both without "-", "_" and ".").

@@ -89,8 +89,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
     torch's float32 ``F.linear`` calls MKL's sgemm, which on AMD Zen 4 ran a 7-row matmul with
     the 49152-row head 4.6x slower than oneDNN (35 ms against 7.6: a verify step of speculative
-    decoding), and a one-row one 2.1x slower (10 ms against 4.8); it also gives the rows past the last multiple of 8
-    other bits than the rest. oneDNN computes every row of a matmul of two or more rows alike
+    decoding), and a one-row one 2.1x slower (10 ms against 4.8); it also gives the rows past
+    the last multiple of 8 other bits than the rest. oneDNN computes every row of a matmul of two or more rows alike
     (a single row takes its own path, last bits apart, as in MKL).
     """
     x = x.to(weight.dtype)
