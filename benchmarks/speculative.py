@@ -10,7 +10,9 @@ quantized model's speed). ``--mode eagle`` and ``--mode medusa`` draft with the 
 ``--heads DIR`` (written by ``lmserve train-heads --kind eagle|medusa --out DIR``). Each configuration's engine lives in its own process for the whole run
 (as a server's would: the adaptive length keeps what it learned); in every round each workload
 and concurrency is measured by every configuration in turn, back to back, in a rotating order.
-Reported: the median of the rounds' output tokens per second, the median of the rounds' ratios
+Reported: the median of the rounds' output tokens per second (end to end, prefill included) and
+of the streams' decode speed (tokens after each request's first over the time from its first
+token to its last: what speculation speeds up), the median of the rounds' ratios
 to speculation off (each taken within its round: this machine's speed changes by up to 2x between
 stretches of a few seconds), the acceptance (accepted drafts / drafts) and the mean tokens per
 verify step. Every engine's output is checked to be token for token the output with speculation
@@ -30,6 +32,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from lmserve import Engine, SamplingParams
 from lmserve.kernels.build import cpu_name
@@ -80,9 +83,11 @@ CHAT = [
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams,
-              concurrency: int) -> tuple[float, int, list[list[int]]]:
-    """Send the prompts ``concurrency`` at a time; (seconds, output tokens, outputs)."""
+              concurrency: int) -> tuple[float, int, list[list[int]], float, int]:
+    """Send the prompts ``concurrency`` at a time; (seconds, output tokens, outputs, decode
+    seconds, decode tokens): the last two summed over requests from each one's first token on."""
     outputs: list = [None] * len(prompts)
+    decode: list = [(0.0, 0)] * len(prompts)
     next_index = iter(range(len(prompts)))
     lock = threading.Lock()
 
@@ -92,8 +97,14 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams,
                 i = next(next_index, None)
             if i is None:
                 return
-            outputs[i] = [t for o in engine.generate(prompts[i], params) for d in o.deltas
-                          for t in d.token_ids]
+            tokens, first = [], None
+            for o in engine.generate(prompts[i], params):
+                new = [t for d in o.deltas for t in d.token_ids]
+                if new and first is None:
+                    first, after_first = time.perf_counter(), len(tokens) + len(new)
+                tokens += new
+            outputs[i] = tokens
+            decode[i] = (time.perf_counter() - first, len(tokens) - after_first)
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     start = time.perf_counter()
@@ -101,7 +112,8 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams,
         t.start()
     for t in threads:
         t.join()
-    return time.perf_counter() - start, sum(len(o) for o in outputs), outputs
+    return (time.perf_counter() - start, sum(len(o) for o in outputs), outputs,
+            sum(s for s, _ in decode), sum(n for _, n in decode))
 
 
 def main() -> None:
@@ -137,8 +149,9 @@ def main() -> None:
     # few-second stretch to the next, so a ratio is taken within a round, between neighbours in
     # time. (Engines in separate processes: two in one process slow each other down.)
     workers = {name: _Worker(kwargs, args) for name, kwargs in configs.items()}
-    rates: dict[tuple, list[float]] = {}  # (workload, concurrency, config) -> tokens/s a round
-    ratios: dict[tuple, list[float]] = {}  # ... -> rate / off's rate in the same round
+    # (metric, workload, concurrency, config) -> tokens/s a round, and its ratio to off's
+    rates: dict[tuple, list[float]] = {}
+    ratios: dict[tuple, list[float]] = {}
     accept: dict[tuple, list[tuple[int, int, int]]] = {}
     for r in range(args.rounds):
         for workload in args.workloads:
@@ -146,33 +159,49 @@ def main() -> None:
                 names = list(configs)
                 names = names[r % len(names):] + names[: r % len(names)]  # rotate the order
                 got = {name: workers[name].run(workload, c) for name in names}
-                for name, (seconds, tokens, outputs, counts) in got.items():
-                    key = (workload, c, name)
-                    rates.setdefault(key, []).append(tokens / seconds)
-                    accept.setdefault(key, []).append(counts)
-                    if outputs != got["off"][2]:
+                for name, m in got.items():
+                    accept.setdefault((workload, c, name), []).append(m.counts)
+                    if m.outputs != got["off"].outputs:
                         sys.exit(f"{name}: output differs from speculation off ({workload}, c={c})")
-                off = got["off"][1] / got["off"][0]
-                for name in names:
-                    ratios.setdefault((workload, c, name), []).append(rates[(workload, c, name)][-1] / off)
+                    for metric in METRICS:
+                        key = (metric, workload, c, name)
+                        rates.setdefault(key, []).append(getattr(m, metric))
+                        ratios.setdefault(key, []).append(getattr(m, metric) / getattr(got["off"], metric))
         print(f"round {r + 1} done", flush=True)
     for worker in workers.values():
         worker.close()
 
     for workload in args.workloads:
-        print(f"\n{workload} prompts: output tokens/s (ratio to off); acceptance; tokens per step")
-        header = f"{'config':<22}" + "".join(f"{'c=' + str(c):>34}" for c in args.concurrency)
-        print(header)
-        for name in configs:
-            cells = []
-            for c in args.concurrency:
-                rate = statistics.median(rates[(workload, c, name)])
-                ratio = statistics.median(ratios[(workload, c, name)])
-                drafts, drafted, accepted = (sum(x) for x in zip(*accept[(workload, c, name)]))
-                acceptance = (f" {accepted / drafted:4.0%} {1 + accepted / drafts:4.2f}"
-                              if drafts else " " * 10)
-                cells.append(f"{rate:8.1f} ({ratio:5.2f}x){acceptance}")
-            print(f"{name:<22}" + "".join(f"{cell:>34}" for cell in cells))
+        for metric, title in METRICS.items():
+            print(f"\n{workload} prompts, {title} (ratio to off); acceptance; tokens per step")
+            print(f"{'config':<22}" + "".join(f"{'c=' + str(c):>34}" for c in args.concurrency))
+            for name in configs:
+                cells = []
+                for c in args.concurrency:
+                    rate = statistics.median(rates[(metric, workload, c, name)])
+                    ratio = statistics.median(ratios[(metric, workload, c, name)])
+                    drafts, drafted, accepted = (sum(x) for x in zip(*accept[(workload, c, name)]))
+                    acceptance = (f" {accepted / drafted:4.0%} {1 + accepted / drafts:4.2f}"
+                                  if drafts else " " * 10)
+                    cells.append(f"{rate:8.1f} ({ratio:5.2f}x){acceptance}")
+                print(f"{name:<22}" + "".join(f"{cell:>34}" for cell in cells))
+
+
+# What each measurement reports: output tokens/s of the whole batch, prefill included, and the
+# streams' decode speed (tokens after each request's first / the time from its first token to
+# its last: what speculation changes, and the issue's "one-stream decode" at c=1).
+METRICS = {"output_rate": "output tokens/s, end to end",
+           "decode_rate": "decode tokens/s per stream, after the first token"}
+
+
+@dataclass
+class Measurement:
+    """One configuration's batch of one workload at one concurrency."""
+
+    output_rate: float
+    decode_rate: float
+    outputs: list
+    counts: tuple[int, int, int]  # spec counters' increase: drafts, draft tokens, accepted
 
 
 class _Worker:
@@ -185,10 +214,9 @@ class _Worker:
         self.process.start()
         self.conn.recv()  # built and warm (one at a time: builds do not overlap)
 
-    def run(self, workload: str, concurrency: int) -> tuple[float, int, list, tuple[int, int, int]]:
-        """(seconds, output tokens, outputs, spec counters' increase) of one batch."""
+    def run(self, workload: str, concurrency: int) -> Measurement:
         self.conn.send((workload, concurrency))
-        return self.conn.recv()
+        return Measurement(*self.conn.recv())
 
     def close(self) -> None:
         self.conn.send(None)
@@ -209,8 +237,9 @@ def _serve(conn, kwargs: dict, args: argparse.Namespace) -> None:
         # Enough requests that every concurrency keeps its streams busy.
         batch = (prompts * (1 + 2 * c // len(prompts)))[: max(len(prompts), 2 * c)]
         before = _counts(engine)
-        seconds, tokens, outputs = run_batch(engine, batch, params, c)
-        conn.send((seconds, tokens, outputs, tuple(a - b for a, b in zip(_counts(engine), before))))
+        seconds, tokens, outputs, decode_seconds, decode_tokens = run_batch(engine, batch, params, c)
+        conn.send((tokens / seconds, decode_tokens / decode_seconds, outputs,
+                   tuple(a - b for a, b in zip(_counts(engine), before))))
     engine.shutdown()
 
 
