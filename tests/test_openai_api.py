@@ -36,6 +36,8 @@ class FakeHF:
     def convert_ids_to_tokens(self, ids):  # like Hugging Face's: one id or a list of them
         return chr(ids) if isinstance(ids, int) else [chr(i) for i in ids]
 
+    all_special_ids = [BOS]
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) for c in text]
 
@@ -400,7 +402,9 @@ def test_completion_echo_with_logprobs_scores_the_prompt():
     assert choice.logprobs.tokens == ["\x01", "H", "i"]  # the BOS spelled as the fake spells it
     assert choice.logprobs.token_logprobs == [None, -0.5, -0.5]
     assert choice.logprobs.top_logprobs == [None, {"H": -0.5}, {"i": -0.5}]
-    assert choice.logprobs.text_offset == [0, 1, 2]
+    assert choice.logprobs.text_offset == [0, 0, 1]  # into the text: the BOS is not in it
+    ids = completion_create(backend, prompt=[BOS, ord("H"), ord("i")], echo=True, logprobs=1, max_tokens=0)
+    assert ids.choices[0].text == "Hi" and ids.choices[0].logprobs.text_offset == [0, 0, 1]
 
     full = completion_create(prompt="Hi", echo=True, logprobs=1, n=2)
     for choice in full.choices:

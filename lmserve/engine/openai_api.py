@@ -273,13 +273,26 @@ def _prepare_completion(backend: _BackendBase, limits: RequestLimits, kwargs: di
         run_id = request_id if len(texts) == 1 else f"{request_id}-{i}"
         echo = (text if isinstance(text, str) else backend.tokenizer.decode(ids)) if request.echo else None
         runs.append((run_id, ids, params))
-        prompts.append(CompletionPrompt(run_id, len(ids), echo))
+        hidden = _not_echoed(backend.tokenizer, text, ids) if request.echo else frozenset()
+        prompts.append(CompletionPrompt(run_id, len(ids), echo, hidden))
     common = dict(request_id=request_id, model=backend.model_name, created=int(time.time()), prompts=prompts,
                   n=runs[0][2].n, token_bytes=_lazy_token_bytes(backend.tokenizer))
     builder: Union[CompletionStreamBuilder, CompletionResponseBuilder] = (
         CompletionStreamBuilder(**common, include_usage=request.wants_usage_chunk) if request.stream
         else CompletionResponseBuilder(**common))
     return PreparedRequest(_validated(backend, runs), bool(request.stream), builder)
+
+
+def _not_echoed(tokenizer: TokenizerLike, prompt: Union[str, list[int]], ids: list[int]) -> frozenset[int]:
+    """Positions of the prompt's tokens that its echoed text does not show, so that its logprobs'
+    text offsets skip them: the special tokens (a BOS) the tokenizer put before a text's own
+    tokens, or those that decoding token ids leaves out."""
+    if not isinstance(prompt, str):
+        special = set(tokenizer.hf.all_special_ids)
+        return frozenset(i for i, t in enumerate(ids) if t in special)
+    own = tokenizer.encode(prompt, add_special_tokens=False)
+    added = len(ids) - len(own)
+    return frozenset(range(added)) if added > 0 and ids[added:] == own else frozenset()
 
 
 @functools.lru_cache(maxsize=8)

@@ -80,24 +80,27 @@ def chat_logprobs(logprobs: Sequence[TokenLogprob], token_bytes: TokenBytes) -> 
 
 def completion_logprobs(
     token_ids: Sequence[int], logprobs: Sequence[Optional[TokenLogprob]], token_bytes: TokenBytes,
-    offsets: codecs.IncrementalDecoder, start: int
+    offsets: codecs.IncrementalDecoder, start: int, hidden: frozenset[int] = frozenset()
 ) -> tuple[CompletionLogprobs, int]:
     """OpenAI text completion logprobs for consecutive tokens of one choice (a None entry: a
     token without one, the first of an echoed prompt, is null as in OpenAI's API).
 
     ``start`` is the character offset of the first token in the choice's text; ``offsets``, the
-    choice's UTF-8 decoder, carries a character split across tokens over to the next call.
-    Returns the logprobs and the offset after the last token.
+    choice's UTF-8 decoder, carries a character split across tokens over to the next call. The
+    tokens at the positions in ``hidden`` are not in the text (an echoed prompt's BOS, which the
+    tokenizer added or decoding left out): they take no room in it. Returns the logprobs and the
+    offset after the last token.
     """
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for token_id, lp in zip(token_ids, logprobs):
+    for i, (token_id, lp) in enumerate(zip(token_ids, logprobs)):
         raw = token_bytes(token_id)
         out.tokens.append(token_text(raw))
         out.token_logprobs.append(None if lp is None else _logprob(lp.logprob))
         out.top_logprobs.append(None if lp is None else
                                 {token_text(token_bytes(t)): _logprob(v) for t, v in lp.top})
         out.text_offset.append(start)
-        start += len(offsets.decode(raw))
+        if i not in hidden:
+            start += len(offsets.decode(raw))
     return out, start
 
 
@@ -239,6 +242,7 @@ class CompletionPrompt:
     request_id: str  # the engine request id its RequestOutputs carry
     num_tokens: int
     echo: Optional[str] = None  # text put before each of its choices (``echo: true``)
+    echo_hidden: frozenset[int] = frozenset()  # positions of its tokens the echo does not show
 
 
 class CompletionStreamBuilder(_StreamBuilder):
@@ -279,7 +283,7 @@ class CompletionStreamBuilder(_StreamBuilder):
                 if scored is not None:
                     utf8 = codecs.getincrementaldecoder("utf-8")("replace")
                     pieces.append(completion_logprobs(output.prompt_token_ids, scored, self.token_bytes,
-                                                      utf8, 0)[0])
+                                                      utf8, 0, prompt.echo_hidden)[0])
                 state.text_offset = len(prompt.echo)
             if delta.logprobs is not None:
                 piece, state.text_offset = completion_logprobs(
