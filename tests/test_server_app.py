@@ -71,6 +71,17 @@ def test_an_engine_failure_fails_only_its_request(flaky_engine):
     assert flaky_engine.kv_pages_in_use() == 0
 
 
+def test_a_request_the_stopped_engine_cannot_run_gets_503_not_a_logged_failure(tiny_model_dir, caplog):
+    engine = AsyncEngine(tiny_model_dir, max_num_sequence=2, verbose=False)
+    engine.shutdown()  # as the server's shutdown does once its drain ends
+    whole, stream = call(engine, [("/v1/completions", {"prompt": "hi", "max_tokens": 4}),
+                                  ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "stream": True})])
+    for r in (whole, stream):
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+        assert "shut down" in r.json()["error"]["message"]
+    assert not [r for r in caplog.records if r.exc_info]  # expected: no traceback in the log
+
+
 def test_metrics_count_engine_failures(flaky_engine):
     app = create_app(flaky_engine)
     metrics = app.state.lmserve.metrics

@@ -64,8 +64,11 @@ def test_requests_past_the_grace_period_or_a_second_signal_end_with_an_error_the
                 seen.append(next(events))  # still streaming: draining
                 server.signal(signal.SIGTERM)
             seen += list(events)
-        assert seen[-1] == "[DONE]" and "shut down" in json.loads(seen[-2])["error"]["message"]
+        assert seen[-1] == "[DONE]"
+        error = json.loads(seen[-2])["error"]
+        assert "shut down" in error["message"] and error["code"] == "server_shutting_down"
         assert server.wait(timeout=20) == 0, server.log()
+        assert "Traceback" not in server.log()  # an expected end, not a server failure
     finally:
         server.stop()
 

@@ -30,6 +30,10 @@ RELEASE_INTERVAL_S = 1.0  # how often idle KV pages are looked for, busy or not
 _T = TypeVar("_T")
 
 
+class EngineShutDown(RuntimeError):
+    """The engine was shut down before the request finished, or before it was submitted."""
+
+
 def _malloc_trim() -> Callable[[], None]:
     try:
         libc_trim = ctypes.CDLL(None).malloc_trim  # glibc's
@@ -77,7 +81,7 @@ class EngineLoop:
             if request_id in self._request_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             if not self._post(("add", request_id, prompt_token_ids, params, sink)):
-                raise RuntimeError("the engine is shut down")
+                raise EngineShutDown("the engine is shut down")
             self._request_ids.add(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -132,7 +136,7 @@ class EngineLoop:
             with self._lock:
                 self._stopped = True
         finally:
-            self._fail_all(self.failure or RuntimeError("the engine was shut down"))
+            self._fail_all(self.failure or EngineShutDown("the engine was shut down"))
             with self._lock:
                 self._parked = True
             self.core.close(kill=self.failure is not None)
@@ -194,7 +198,7 @@ class EngineLoop:
             _, request_id, prompt, params, sink = cmd
             try:
                 if self._stopped:
-                    raise RuntimeError("the engine was shut down")
+                    raise EngineShutDown("the engine was shut down")
                 self.core.add_request(request_id, prompt, params)
             except Exception as exc:
                 self._forget(request_id)

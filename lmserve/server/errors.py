@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from lmserve.engine.loop import EngineShutDown
 from lmserve.protocol import InvalidRequestError
 
 # The "type" per status: OpenAI's where OpenAI has the case, a plain description otherwise.
@@ -39,12 +40,14 @@ class APIError(Exception):
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> APIError:
-        """An ``APIError`` for anything a request can fail with: the caller's fault (400) or,
-        for any other exception, the server's (500)."""
+        """An ``APIError`` for anything a request can fail with: the caller's fault (400), the
+        server stopping under it (503) or, for any other exception, the server's failure (500)."""
         if isinstance(exc, APIError):
             return exc
         if isinstance(exc, InvalidRequestError):
             return cls(400, exc.message, exc.param)
+        if isinstance(exc, EngineShutDown):  # the server is stopping: expected, not a failure
+            return cls(503, "the server shut down before the request finished", code="server_shutting_down")
         return cls(500, f"the server failed while handling the request: {type(exc).__name__}: {exc}")
 
     def body(self) -> dict[str, Any]:

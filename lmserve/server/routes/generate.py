@@ -105,6 +105,6 @@ async def _run_admitted(request: Request, state: ServerState,
 def _api_error(request: Request, exc: Exception) -> APIError:
     """The answer for an exception; the server's own failures are logged with their traceback."""
     error = APIError.from_exception(exc)
-    if error.status >= 500:
+    if error.status == 500:
         logger.error("%s failed", request.url.path, exc_info=exc)
     return error
