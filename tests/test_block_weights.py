@@ -156,6 +156,20 @@ def test_block_matmul_rows_do_not_depend_on_the_other_rows(bits, act):
 
 
 @needs_kernel
+def test_int16_matmul_rows_are_the_same_from_reused_and_from_fresh_buffers():
+    # Calls of up to 1 MiB of quantized activations reuse the calling thread's buffers, larger
+    # ones allocate their own (kernels/int8_gemm.cpp, scratch); a reused buffer holds the
+    # previous call's digits past this call's rows.
+    if int8_kernel_unavailable():
+        pytest.skip(f"C++ int8 kernel unavailable: {int8_kernel_unavailable()}")
+    layer = BlockLinear(BlockWeight.quantize(torch.randn(48, 2048), 4), None, "int16")
+    x = torch.randn(300, 2048)
+    full = layer(x)  # 300 rows x 2048 x 2 digits: its own buffers
+    for m in [256, 1, 300, 3]:  # 256 rows: exactly 1 MiB, reused
+        assert torch.equal(layer(x[-m:]), full[-m:]), m
+
+
+@needs_kernel
 def test_make_linear_formats():
     raw, dense = gguf_tensor("Q4_1", 32, 64)
     blocks = from_gguf_blocks(raw, "Q4_1", 32, 64)

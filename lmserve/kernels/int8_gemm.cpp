@@ -375,7 +375,7 @@ template <int BITS, int DIGITS, int MR, int NR>
 void gemm_tiles(const Args& p) {
   const int groups = (p.N + 15) / 16, strips = (groups + NR - 1) / NR;
   const int chunks = (p.M + kMC - 1) / kMC;
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(static) nowait  // the region's end waits for all
   for (int c = 0; c < chunks; ++c)
     for (int s = 0; s < strips; ++s) {
       const int j0 = s * NR, m0 = c * kMC, m_end = std::min(p.M, m0 + kMC);
@@ -396,6 +396,23 @@ void gemm(const Args& p) {
     gemm_tiles<BITS, DIGITS, 4, 2>(p);
 }
 
+// The quantized activations of a call: this thread's own, reused, when they are decode-sized (a
+// zeroed allocation per call cost 1-5% of a decode step's matmuls, measured with
+// benchmarks/kernel_ab.py), else `local`'s, allocated for the call and freed after it.
+struct Scratch {
+  std::vector<int8_t> q;  // (digits, M, K)
+  std::vector<float> scale, sum;  // (M, K/32)
+};
+constexpr size_t kReusedBytes = 1 << 20;
+
+Scratch& scratch(size_t q_bytes, size_t blocks, Scratch& local) {
+  thread_local Scratch reused;
+  Scratch& s = q_bytes <= kReusedBytes ? reused : local;
+  if (s.q.size() < q_bytes) s.q.resize(q_bytes);
+  if (s.scale.size() < blocks) s.scale.resize(blocks), s.sum.resize(blocks);
+  return s;
+}
+
 }  // namespace
 
 extern "C" {
@@ -408,15 +425,19 @@ void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* co
                   int threads) {
   omp_set_num_threads(threads);
   const int G = K / 32;
-  std::vector<int8_t> q((size_t)M * K * digits);
-  std::vector<float> scale((size_t)M * G), sum((size_t)M * G);
-  int8_t* q2 = digits == 2 ? q.data() + (size_t)M * K : nullptr;
+  Scratch local;
+  Scratch& buffers = scratch((size_t)M * K * digits, (size_t)M * G, local);
+  // (Pointers, not the buffers: inside the parallel region a thread_local names each thread's own.)
+  int8_t* const q = buffers.q.data();
+  float* const scale = buffers.scale.data();
+  float* const sum = buffers.sum.data();
+  int8_t* q2 = digits == 2 ? q + (size_t)M * K : nullptr;
 #if LM_AMX
   const bool amx = M >= 16 && amx_ready();
 #else
   const bool amx = false;
 #endif
-  const Args p{q.data(), q2, scale.data(), sum.data(), codes, consts, half_consts != 0,
+  const Args p{q, q2, scale, sum, codes, consts, half_consts != 0,
                c, out_bf16 != 0, M, N, K, amx};
 #pragma omp parallel
   {
@@ -424,9 +445,9 @@ void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* co
     if (amx) amx_configure(kTiles);
 #endif
     if (a_f32)
-      quantize((const float*)a, q.data(), q2, scale.data(), sum.data(), M, K);
+      quantize((const float*)a, q, q2, scale, sum, M, K);
     else
-      quantize((const uint16_t*)a, q.data(), q2, scale.data(), sum.data(), M, K);
+      quantize((const uint16_t*)a, q, q2, scale, sum, M, K);
     if (bits == 4)
       digits == 2 ? gemm<4, 2>(p) : gemm<4, 1>(p);
     else
