@@ -186,8 +186,10 @@ def test_the_adaptive_length_climbs_to_the_best_length_and_off_when_drafts_do_no
     assert chosen[-100:].count(0) >= 85 and set(chosen[-100:]) <= {0, 1}
     # One stream whose drafts are rarely accepted (15%) where a token costs 45% of a step:
     # from its deep start it climbs down to plain decoding.
-    chosen = _simulate(AdaptiveDraftLength(), 1, 0.15, 0.010, 0.0045)
+    chosen = _simulate(AdaptiveDraftLength(start=4), 1, 0.15, 0.010, 0.0045)
     assert chosen[0] == 4 and chosen[-100:].count(0) >= 85 and set(chosen[-100:]) <= {0, 1}
+    with pytest.raises(ValueError, match="adaptive start of 5"):
+        AdaptiveDraftLength(start=5)
     # Batch sizes are measured apart: one policy serves both.
     policy = AdaptiveDraftLength()
     _simulate(policy, 1, 0.8, 0.010, 0.001)
@@ -496,10 +498,11 @@ def test_the_slots_asked_are_the_nodes_the_drafter_drafts():
 
 def test_the_adaptive_length_asks_the_drafter_nothing_when_it_chooses_not_to_draft():
     """A full batch starts at plain decoding: its steps pay for no lookups; one stream starts
-    at four drafts and asks for them."""
+    at the drafter's adaptive_start and asks for that many."""
 
     class CountingDrafter:
         asked = 0
+        adaptive_start = 3
 
         def offer(self, seq, cap):
             self.asked += 1
@@ -513,4 +516,4 @@ def test_the_adaptive_length_asks_the_drafter_nothing_when_it_chooses_not_to_dra
     seqs = [Sequence(Request(str(i), [1, 2], SamplingParams(max_tokens=50)), 0, [1, 2], None)
             for i in range(16)]
     assert spec.lookahead(seqs) == [0] * 16 and drafter.asked == 0
-    assert spec.lookahead(seqs[:1]) == [4] and drafter.asked == 1
+    assert spec.lookahead(seqs[:1]) == [3] and drafter.asked == 1

@@ -24,12 +24,6 @@ _FIRST_INTERVAL, _MAX_INTERVAL = 4, 64  # steps between tries of a neighbouring 
 _SMOOTHING = 0.15  # weight of a new measurement in a length's running goodput
 _MIN_TRIES = 3  # measurements of a neighbour before the engine may move to it
 _MARGIN = 0.02  # a neighbour must be this much better to move
-# The length one to three streams start at (larger batches start at 0). Prompt lookup drafts
-# less where a match is short, and a draft model is right most of the time, so a deep start is
-# near their best; where drafts do not pay the climb reaches 0 in about 175 steps. (Starting at
-# 2, prompt lookup's adaptive length ran at 1.26x plain decoding against 1.37x from 4, on the
-# grounded prompts of benchmarks/speculative.py at c=1, Zen 4.)
-_FIRST_FEW = 4
 
 
 @dataclass
@@ -45,9 +39,13 @@ class _BatchSize:
 
 
 class AdaptiveDraftLength:
-    """Chooses the draft length of each step (see the module docstring)."""
+    """Chooses the draft length of each step (see the module docstring). One to three streams
+    start at ``start`` (the drafter's ``adaptive_start``), larger batches at 0."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = 1) -> None:
+        if start not in LENGTHS:
+            raise ValueError(f"an adaptive start of {start} drafts is not one of {LENGTHS}")
+        self._start = LENGTHS.index(start)
         self._buckets: dict[int, _BatchSize] = {}
         self._last: Optional[tuple[_BatchSize, int]] = None  # this step's bucket and length
 
@@ -56,7 +54,7 @@ class AdaptiveDraftLength:
         key = max(num_seqs, 1).bit_length()  # 1, 2-3, 4-7, ...
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = _BatchSize(current=LENGTHS.index(_FIRST_FEW) if key <= 2 else 0)
+            bucket = self._buckets[key] = _BatchSize(current=self._start if key <= 2 else 0)
         index = bucket.current
         bucket.until_try -= 1
         if bucket.until_try <= 0:  # try a neighbour: below and above in turn

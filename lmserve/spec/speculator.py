@@ -47,7 +47,14 @@ class SpecCounters:
 
 
 class Drafter(Protocol):
-    """What the speculator needs of a drafter (``NgramDrafter``, ``DraftModelDrafter``)."""
+    """What the speculator needs of a drafter (``NgramDrafter``, ``DraftModelDrafter``,
+    ``EagleDrafter``, ``MedusaDrafter``)."""
+
+    # Where the adaptive length starts for one to three streams: deep for a drafter whose drafts
+    # are right most of the time or that drafts little where it is unsure, shallow for one
+    # whose drafts cost a pass each and are often wrong (the climb from a wrong start costs:
+    # from 4 down to 0 takes about 175 steps).
+    adaptive_start: int
 
     def offer(self, seq: Sequence, cap: int) -> int:
         """How deep the drafter can draft for ``seq`` this step, at most ``cap``."""
@@ -69,7 +76,7 @@ class Speculator:
 
     def __init__(self, drafter: Drafter, k: int, max_sequence_length: int) -> None:
         self.drafter = drafter
-        self.adaptive = AdaptiveDraftLength() if k == 0 else None
+        self.adaptive = AdaptiveDraftLength(drafter.adaptive_start) if k == 0 else None
         self.max_k = k or MAX_ADAPTIVE_K
         self.max_sequence_length = max_sequence_length
         self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
