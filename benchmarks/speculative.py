@@ -26,6 +26,7 @@ off.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import statistics
@@ -104,7 +105,8 @@ def run_batch(engine: Engine, prompts: list[list[int]], params: SamplingParams,
                     first, after_first = time.perf_counter(), len(tokens) + len(new)
                 tokens += new
             outputs[i] = tokens
-            decode[i] = (time.perf_counter() - first, len(tokens) - after_first)
+            if first is not None:
+                decode[i] = (time.perf_counter() - first, len(tokens) - after_first)
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     start = time.perf_counter()
@@ -238,7 +240,8 @@ def _serve(conn, kwargs: dict, args: argparse.Namespace) -> None:
         batch = (prompts * (1 + 2 * c // len(prompts)))[: max(len(prompts), 2 * c)]
         before = _counts(engine)
         seconds, tokens, outputs, decode_seconds, decode_tokens = run_batch(engine, batch, params, c)
-        conn.send((tokens / seconds, decode_tokens / decode_seconds, outputs,
+        # (No decode to measure when every request stopped at its first token.)
+        conn.send((tokens / seconds, decode_tokens / decode_seconds if decode_tokens else math.nan, outputs,
                    tuple(a - b for a, b in zip(_counts(engine), before))))
     engine.shutdown()
 

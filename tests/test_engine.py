@@ -257,6 +257,29 @@ def test_requests_after_shutdown_fail_instead_of_hanging(tiny_model_dir):
     assert engine.kv_pages_in_use() == 0 and engine.stats().num_running == 0
 
 
+def test_a_failure_outside_a_step_stops_the_engine_and_fails_its_requests_with_it(tiny_model_dir,
+                                                                                 monkeypatch):
+    """A bug outside a step (here in the periodic memory release) ends the engine thread: the
+    requests in flight and later ones fail with that error, not as a clean shutdown, and
+    ``failure`` says why (the server then stops with status 1)."""
+    import lmserve.engine.loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "RELEASE_INTERVAL_S", 0.0)
+    engine = Engine(tiny_model_dir, verbose=False)
+    try:
+        def broken() -> int:
+            raise ValueError("injected release fault")
+
+        monkeypatch.setattr(engine._core, "release_idle_memory", broken)
+        with pytest.raises(ValueError, match="injected release fault"):
+            run_one(engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+        assert isinstance(engine._loop.failure, ValueError)
+        with pytest.raises(RuntimeError, match="stopped after a failure: injected release fault"):
+            next(engine.generate([1, 2, 3], SamplingParams(max_tokens=2)))
+    finally:
+        engine.shutdown()
+
+
 def test_o3_runs_on_the_torch_path_with_a_bf16_cache_where_the_kernel_cannot(tiny_model_dir, monkeypatch,
                                                                               caplog):
     """O3's int8 KV cache only exists in the C++ attention kernel: without it (simulated) the

@@ -10,7 +10,7 @@ import openai.types
 import openai.types.chat
 import pytest
 from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from lmserve.engine.openai_api import AsyncChat, AsyncCompletions, Chat, Completions
@@ -27,6 +27,7 @@ from lmserve.sampling_params import SamplingParams
 from lmserve.tokenizer import hf_token_bytes
 
 BOS = 1
+FILE_SEP = 5
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
@@ -37,6 +38,8 @@ class FakeHF:
         return chr(ids) if isinstance(ids, int) else [chr(i) for i in ids]
 
     all_special_ids = [BOS]
+    # An added special token outside the named ones (as SmolLM2's <file_sep>): decode skips it.
+    added_tokens_decoder = {FILE_SEP: AddedToken("\x05", special=True)}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) for c in text]
@@ -58,7 +61,7 @@ class FakeTokenizer:
         return [BOS] * add_special_tokens + [ord(c) for c in text]
 
     def decode(self, token_ids: list[int]) -> str:
-        return "".join(chr(t) for t in token_ids if t != BOS)
+        return "".join(chr(t) for t in token_ids if t not in (BOS, FILE_SEP))
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tools=None) -> list[int]:
         self.rendered.append((messages, tools))
@@ -403,8 +406,9 @@ def test_completion_echo_with_logprobs_scores_the_prompt():
     assert choice.logprobs.token_logprobs == [None, -0.5, -0.5]
     assert choice.logprobs.top_logprobs == [None, {"H": -0.5}, {"i": -0.5}]
     assert choice.logprobs.text_offset == [0, 0, 1]  # into the text: the BOS is not in it
-    ids = completion_create(backend, prompt=[BOS, ord("H"), ord("i")], echo=True, logprobs=1, max_tokens=0)
-    assert ids.choices[0].text == "Hi" and ids.choices[0].logprobs.text_offset == [0, 0, 1]
+    ids = completion_create(backend, prompt=[BOS, ord("H"), FILE_SEP, ord("i")], echo=True, logprobs=1,
+                            max_tokens=0)
+    assert ids.choices[0].text == "Hi" and ids.choices[0].logprobs.text_offset == [0, 0, 1, 1]
 
     full = completion_create(prompt="Hi", echo=True, logprobs=1, n=2)
     for choice in full.choices:

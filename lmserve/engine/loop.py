@@ -81,7 +81,7 @@ class EngineLoop:
             if request_id in self._request_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             if not self._post(("add", request_id, prompt_token_ids, params, sink)):
-                raise EngineShutDown("the engine is shut down")
+                raise self._stopped_error()
             self._request_ids.add(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -109,6 +109,12 @@ class EngineLoop:
             self._stopped = True
         self._thread.join(timeout)
 
+    def _stopped_error(self) -> Exception:
+        """What a request meets once the engine has stopped: shut down, or failed for good."""
+        if self.failure is None:
+            return EngineShutDown("the engine was shut down")
+        return RuntimeError(f"the engine stopped after a failure: {self.failure}")
+
     def _post(self, cmd: tuple) -> bool:
         """Queue a command (the caller holds ``_lock``); False once the engine is shut down, so
         nothing is queued after the thread's last look at the queue."""
@@ -130,13 +136,16 @@ class EngineLoop:
         built.set_result(self.core)
         try:
             self._serve()
-        except ParallelFailure as exc:  # a rank is lost: no step can run any more
-            logger.error("engine stopped: %s", exc)
+        except Exception as exc:  # a lost rank, or a bug outside a step: no step can run any more
+            if isinstance(exc, ParallelFailure):
+                logger.error("engine stopped: %s", exc)
+            else:
+                logger.exception("engine stopped")
             self.failure = exc
             with self._lock:
                 self._stopped = True
         finally:
-            self._fail_all(self.failure or EngineShutDown("the engine was shut down"))
+            self._fail_all(self.failure or self._stopped_error())
             with self._lock:
                 self._parked = True
             self.core.close(kill=self.failure is not None)
@@ -198,7 +207,7 @@ class EngineLoop:
             _, request_id, prompt, params, sink = cmd
             try:
                 if self._stopped:
-                    raise EngineShutDown("the engine was shut down")
+                    raise self._stopped_error()
                 self.core.add_request(request_id, prompt, params)
             except Exception as exc:
                 self._forget(request_id)

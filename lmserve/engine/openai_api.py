@@ -273,7 +273,8 @@ def _prepare_completion(backend: _BackendBase, limits: RequestLimits, kwargs: di
         run_id = request_id if len(texts) == 1 else f"{request_id}-{i}"
         echo = (text if isinstance(text, str) else backend.tokenizer.decode(ids)) if request.echo else None
         runs.append((run_id, ids, params))
-        hidden = _not_echoed(backend.tokenizer, text, ids) if request.echo else frozenset()
+        hidden = _not_echoed(backend.tokenizer, text, ids) if echo is not None and request.logprobs \
+            else frozenset()
         prompts.append(CompletionPrompt(run_id, len(ids), echo, hidden))
     common = dict(request_id=request_id, model=backend.model_name, created=int(time.time()), prompts=prompts,
                   n=runs[0][2].n, token_bytes=_lazy_token_bytes(backend.tokenizer))
@@ -287,8 +288,9 @@ def _not_echoed(tokenizer: TokenizerLike, prompt: Union[str, list[int]], ids: li
     """Positions of the prompt's tokens that its echoed text does not show, so that its logprobs'
     text offsets skip them: the special tokens (a BOS) the tokenizer put before a text's own
     tokens, or those that decoding token ids leaves out."""
-    if not isinstance(prompt, str):
-        special = set(tokenizer.hf.all_special_ids)
+    if not isinstance(prompt, str):  # decode skips every special token, named or added
+        hf = tokenizer.hf
+        special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
         return frozenset(i for i, t in enumerate(ids) if t in special)
     own = tokenizer.encode(prompt, add_special_tokens=False)
     added = len(ids) - len(own)
