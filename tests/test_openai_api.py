@@ -409,6 +409,11 @@ def test_completion_echo_with_logprobs_scores_the_prompt():
     ids = completion_create(backend, prompt=[BOS, ord("H"), FILE_SEP, ord("i")], echo=True, logprobs=1,
                             max_tokens=0)
     assert ids.choices[0].text == "Hi" and ids.choices[0].logprobs.text_offset == [0, 0, 1, 1]
+    # A tokenizer that also ends a text with an EOS (spelled "\x02" by the fake): no room either.
+    backend.tokenizer.encode = lambda text, add_special_tokens: (
+        [BOS] * add_special_tokens + [ord(c) for c in text] + [2] * add_special_tokens)
+    both = completion_create(backend, prompt="Hi", echo=True, logprobs=1, max_tokens=0)
+    assert both.choices[0].text == "Hi" and both.choices[0].logprobs.text_offset == [0, 0, 1, 2]
 
     full = completion_create(prompt="Hi", echo=True, logprobs=1, n=2)
     for choice in full.choices:

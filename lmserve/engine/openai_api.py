@@ -286,15 +286,18 @@ def _prepare_completion(backend: _BackendBase, limits: RequestLimits, kwargs: di
 
 def _not_echoed(tokenizer: TokenizerLike, prompt: Union[str, list[int]], ids: list[int]) -> frozenset[int]:
     """Positions of the prompt's tokens that its echoed text does not show, so that its logprobs'
-    text offsets skip them: the special tokens (a BOS) the tokenizer put before a text's own
-    tokens, or those that decoding token ids leaves out."""
+    text offsets skip them: the special tokens the tokenizer put around a text's own tokens (a
+    BOS before them, an EOS after where it adds one), or those that decoding token ids leaves
+    out."""
     if not isinstance(prompt, str):  # decode skips every special token, named or added
         hf = tokenizer.hf
         special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
         return frozenset(i for i, t in enumerate(ids) if t in special)
     own = tokenizer.encode(prompt, add_special_tokens=False)
-    added = len(ids) - len(own)
-    return frozenset(range(added)) if added > 0 and ids[added:] == own else frozenset()
+    before = next((k for k in range(len(ids) - len(own) + 1) if ids[k : k + len(own)] == own), None)
+    if before is None:
+        return frozenset()
+    return frozenset(range(before)) | frozenset(range(before + len(own), len(ids)))
 
 
 @functools.lru_cache(maxsize=8)
