@@ -87,8 +87,8 @@ def completion_logprobs(
 
     ``start`` is the character offset of the first token in the choice's text; ``offsets``, the
     choice's UTF-8 decoder, carries a character split across tokens over to the next call. The
-    tokens at the positions in ``hidden`` are not in the text (an echoed prompt's BOS, which the
-    tokenizer added or decoding left out): they take no room in it. Returns the logprobs and the
+    tokens at the positions in ``hidden`` are not in the text (special tokens the tokenizer put
+    around an echoed prompt's text, or that decoding its ids left out): they take no room in it. Returns the logprobs and the
     offset after the last token.
     """
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
