@@ -62,9 +62,9 @@ class OptFlags:
     # torch path (attention=torch_native, dense float32/float16 weights); with lmserve's C++
     # attention or matmul kernels, which torch.compile cannot see into, compile=1 is refused.
     compile: bool = False
-    # speculative_mode="small_draft": the opt level of the draft model (None: DEFAULT_DRAFT_OPT).
-    # A full-precision target verifying its own quantized weights is a real use: the exact
-    # reference output at nearly the quantized speed.
+    # The opt level of the draft model (small_draft) or the heads (eagle, medusa); None:
+    # DEFAULT_DRAFT_OPT. A full-precision target verifying its own quantized weights is a real
+    # use: the exact reference output at nearly the quantized speed.
     draft_opt: Optional[str] = None
 
 
@@ -88,7 +88,7 @@ OPT_LEVELS: dict[str, OptFlags] = {
     "O3": OptFlags(weight_dtype="native", kv_dtype="int8", act_dtype="int8", attention="cpu_paged"),
 }
 DEFAULT_OPT_LEVEL = "O2"  # what ``opt=None`` means
-DEFAULT_DRAFT_OPT = "O3"  # the draft model's level unless the knob draft_opt says otherwise
+DEFAULT_DRAFT_OPT = "O3"  # a draft model's or heads' level unless the knob draft_opt says otherwise
 
 _DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "f32": "float32",
                   "bfloat16": _BF16, "bf16": _BF16,
@@ -398,9 +398,9 @@ def _check_combinations(c: EngineConfig) -> None:
         raise ValueError(f"opt={c.opt!r} compiles the layers with torch.compile, which does not "
                          f"see tensor parallelism's all-reduce; with tensor_parallel_shards="
                          f"{c.tensor_parallel_shards} leave compile off")
-    if parse_opt(c.opt).draft_opt is not None and c.speculative_mode != "small_draft":
-        raise ValueError(f"opt={c.opt!r} sets draft_opt, the draft model's level, but "
-                         f"speculative_mode={c.speculative_mode!r} has no draft model")
+    if parse_opt(c.opt).draft_opt is not None and c.speculative_mode in ("disable", "ngram"):
+        raise ValueError(f"opt={c.opt!r} sets draft_opt, the level of a draft model or heads, but "
+                         f"speculative_mode={c.speculative_mode!r} has neither")
     if c.speculative_mode not in ("disable", "ngram") and not c.additional_models:
         raise ValueError(
             f"speculative_mode={c.speculative_mode!r} needs its draft model or heads in "

@@ -28,8 +28,9 @@ from lmserve.parallel.shard import check_shardable, shard_args
 from lmserve.parallel.stages import stage_layers
 from lmserve.scheduler import SCORED_ROWS_PER_STEP
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K
-from lmserve.spec.eagle_heads import eagle_heads_bytes
-from lmserve.spec.medusa import medusa_heads_bytes
+from lmserve.spec.draft_level import head_weight_format
+from lmserve.spec.eagle_heads import eagle_heads_size
+from lmserve.spec.medusa import medusa_heads_size
 from lmserve.spec.tree import MAX_TREE_TOKENS
 from lmserve.state_plan import StatePlan, batch_that_fits, plan_state
 
@@ -158,22 +159,24 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     budget = int(util * device)
     models = [(args, opt)]
     eagle = config.speculative_mode == "eagle"
-    if draft_args is not None:  # an EAGLE head's layer keeps KV and attends as the target does
-        models.append((draft_args, opt if eagle else draft_opt or parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT)))
+    draft_level = draft_opt or parse_opt(opt.draft_opt or DEFAULT_DRAFT_OPT)
+    if draft_args is not None:  # a draft model, or an EAGLE head's layer (its own KV)
+        models.append((draft_args, draft_level))
     kv_dtypes = [_kv_dtype(a, o, config.kv_cache_page_size) for a, o in models]
     stages = config.pipeline_parallel_stages or 1
     if stages > 1 and config.speculative_mode in ("medusa", "eagle"):
         raise ValueError(f"speculative_mode={config.speculative_mode!r} drafts from the hidden "
                          f"states of every token a step runs, which pipeline_parallel_stages="
                          f"{stages} leaves on the last stage; use ngram or small_draft")
-    # Heads on the target's hidden states: their files' tensors (an EAGLE head's layer is
-    # ``draft_args``, which shares the target's embedding and head).
+    # Heads on the target's hidden states: their files' tensors at the drafter's level (an
+    # EAGLE head's layer is ``draft_args``, which shares the target's embedding and head).
     heads = 0
     if config.speculative_mode in ("medusa", "eagle"):
         try:
-            heads = (eagle_heads_bytes if eagle else medusa_heads_bytes)(config.additional_models[0])
+            size = (eagle_heads_size if eagle else medusa_heads_size)(config.additional_models[0])
         except FileNotFoundError as err:
             raise FileNotFoundError(f"additional_models[0]: {err}") from None
+        heads = int(size * _WEIGHT_BYTES[head_weight_format(draft_level)])
     tensor = config.tensor_parallel_shards or 1
     layers_of_stages = stage_layers_given or (stage_layers(args, stages, tensor) if stages > 1 else ())
     rank_weights = rank_weight_bytes(args, opt, tensor, layers_of_stages) \
@@ -332,8 +335,10 @@ def _speculative(config: EngineConfig, models: list[tuple[ModelArgs, OptFlags]])
         length = (f"a tree of {config.spec_tree_width} candidates per depth, "
                   f"{length.replace('draft tokens', 'deep')}")
     mode = config.speculative_mode
-    if mode == "eagle":
-        mode += " (a one-layer head in float32 on the model's hidden states)"
+    if mode in ("eagle", "medusa"):
+        level = parse_opt(config.opt).draft_opt or DEFAULT_DRAFT_OPT
+        mode += (f" ({'a one-layer head' if mode == 'eagle' else 'heads'} on the model's hidden "
+                 f"states, at {level}: weights {head_weight_format(parse_opt(level))})")
     elif len(models) > 1:
         draft, draft_opt = models[1]
         mode += (f" ({draft.architecture}, {draft.num_layers} layers, weights "

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from conftest import (assert_drafts_keep_the_distribution, generate_tokens, run_concurrently,
                       wait_idle)
 from lmserve import Engine, SamplingParams
-from lmserve.config import EngineConfig
+from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
 from lmserve.spec.draft_vocab import write_draft_vocab
@@ -71,20 +71,27 @@ def test_the_published_layouts_load_alike(target):
     args = read_model_args(model_dir)
     loaded = {layout: read_medusa_heads(heads[layout], args) for layout in ("medusa", "vllm", "pt")}
     hidden = torch.randn(2, HIDDEN)
-    reference = loaded["medusa"].logits(hidden)
+    drafters = {layout: MedusaDrafter(h, parse_opt("O0")) for layout, h in loaded.items()}
+    reference = drafters["medusa"].logits(hidden)
     assert reference.shape == (HEADS, 2, args.vocab_size)
     for layout in ("vllm", "pt"):
-        assert torch.equal(loaded[layout].logits(hidden), reference)
-    assert torch.equal(loaded["medusa"].logits(hidden, 2), reference[:2])
+        assert torch.equal(drafters[layout].logits(hidden), reference)
+    assert torch.equal(drafters["medusa"].logits(hidden, 2), reference[:2])
+    # At the default draft level (O3: int8 weights and activations), within its rounding.
+    quantized = MedusaDrafter(loaded["medusa"], parse_opt("O3")).logits(hidden)
+    assert 0 < (quantized - reference).abs().max() < 0.05 * reference.abs().max()
     with_choices = read_medusa_heads(heads["choices"], args)
     assert with_choices.choices[:3] == [(0,), (1,), (0, 0)]
     assert with_choices.vocab.tolist() == list(range(0, args.vocab_size, 2))
     assert with_choices.heads[0].shape == (args.vocab_size // 2, HIDDEN)
-    # The plan counts the heads (float32) with the weights, from the file's header.
-    config = EngineConfig(speculative_mode="medusa", additional_models=[heads["medusa"]])
-    plan = make_plan(config, args)
-    assert plan.memory.draft == HEADS * (LAYERS * (HIDDEN * HIDDEN + HIDDEN) + args.vocab_size * HIDDEN) * 4
-    assert "medusa_heads" in plan.describe() and plan.speculative.startswith("medusa")
+    # The plan counts the heads with the weights, from the file's header, at the draft level
+    # (int8 blocks at the default O3, float32 at O0).
+    size = HEADS * (LAYERS * (HIDDEN * HIDDEN + HIDDEN) + args.vocab_size * HIDDEN)
+    for opt, per_weight in (("O2", 1.25), ("O2;draft_opt=O0", 4)):
+        config = EngineConfig(speculative_mode="medusa", additional_models=[heads["medusa"]], opt=opt)
+        plan = make_plan(config, args)
+        assert plan.memory.draft == int(size * per_weight)
+        assert "medusa_heads" in plan.describe() and plan.speculative.startswith("medusa")
 
 
 def test_bad_heads_are_refused_naming_the_tensor(target, tmp_path):

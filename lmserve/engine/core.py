@@ -63,8 +63,8 @@ class EngineCore:
         self.config = config
         self.args = self.source.args
         draft = read_draft_model(config, self.args)
-        draft_level = draft and draft_opt(config, draft)
         eagle = read_eagle_head(config, self.args)
+        draft_level = draft_opt(config, draft) if draft or eagle else None
         self.plan = make_plan(config, self.args, draft_args=(draft and draft.args) or (eagle and eagle.args),
                               draft_opt=draft_level, stage_layers_given=self.source.stage_layers)
         opt = parse_opt(config.opt)
@@ -87,7 +87,7 @@ class EngineCore:
                 self.draft_runner = build_worker(draft.load_model(draft_level), draft_plan, draft_level,
                                                  self.device)
             elif eagle is not None:  # an EAGLE head: its layer's KV over the same page ids
-                self.draft_runner = build_eagle_runner(eagle, self.runner, self.plan, opt.attention,
+                self.draft_runner = build_eagle_runner(eagle, self.runner, self.plan, draft_level,
                                                        self.device)
             self.tokenizer = self.source.tokenizer()
             plan = self.plan

@@ -121,8 +121,9 @@ def read_draft_model(config: EngineConfig, target: ModelArgs) -> Optional[ModelS
     return draft
 
 
-def draft_opt(config: EngineConfig, draft: ModelSource) -> OptFlags:
-    """The draft model's level: its library's, or the ``draft_opt`` knob (default O3)."""
+def draft_opt(config: EngineConfig, draft: Optional[ModelSource] = None) -> OptFlags:
+    """The drafter's level (a draft model's, or heads' when ``draft`` is None): a compiled
+    draft model's library's, else the ``draft_opt`` knob (default O3)."""
     knob = parse_opt(config.opt).draft_opt
     if isinstance(draft, ModelLibrary):
         if knob is not None:

@@ -32,13 +32,14 @@ import torch.nn.functional as F
 from lmserve.attention import resolve_attention
 from lmserve.attention.base import AttentionShape, create_backend
 from lmserve.cache.kv import KV_DTYPES, KVCache
+from lmserve.config import OptFlags
 from lmserve.layers.fused import TorchOps
-from lmserve.layers.linear import make_linear
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.spec.draft_level import head_linear
 from lmserve.spec.draft_vocab import to_token_ids
 from lmserve.spec.eagle_heads import EagleHeads
 from lmserve.spec.dynamic_tree import CandidateTree
@@ -53,35 +54,38 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class EagleModel:
-    """The head's layer in float32 over the target's embedding and (EAGLE-1/2) head, run by a
-    ``ModelRunner`` like any model; ``forward`` also takes the features of the step's tokens."""
+    """The head's layer over the target's embedding and (EAGLE-1/2) head, its matrices at the
+    drafter's level (``draft_level``), run by a ``ModelRunner`` like any model; ``forward`` also
+    takes the features of the step's tokens."""
 
-    def __init__(self, heads: EagleHeads, target) -> None:
+    def __init__(self, heads: EagleHeads, target, level: OptFlags) -> None:
         """``target``: the target's ``LlamaModel`` (its embedding and head are shared)."""
         self.args, self.version, self.target = heads.args, heads.version, target
         self.aux_layers = heads.aux_layers  # the target's features it reads (see EagleHeads)
         self.layer_ids = range(self.args.num_layers)  # (the runner's view of its layers)
         t = heads.tensors
-        self.fc = make_linear([t["fc.weight"]], t.get("fc.bias"), "float32")
+        self.fc = head_linear([t["fc.weight"]], t.get("fc.bias"), level)
         attn = "layer.self_attn."
         biases = [t.get(f"{attn}{p}_proj.bias") for p in "qkv"]
         bias = None if all(b is None for b in biases) else torch.cat([
             b if b is not None else torch.zeros(t[f"{attn}{p}_proj.weight"].shape[0])
             for p, b in zip("qkv", biases)])
-        self.qkv = make_linear([t[f"{attn}{p}_proj.weight"] for p in "qkv"], bias, "float32")
-        self.o = make_linear([t[attn + "o_proj.weight"]], t.get(attn + "o_proj.bias"), "float32")
-        self.gate_up = make_linear([t["layer.mlp.gate_proj.weight"], t["layer.mlp.up_proj.weight"]],
-                                   None, "float32")
-        self.down = make_linear([t["layer.mlp.down_proj.weight"]], None, "float32")
+        self.qkv = head_linear([t[f"{attn}{p}_proj.weight"] for p in "qkv"], bias, level)
+        self.o = head_linear([t[attn + "o_proj.weight"]], t.get(attn + "o_proj.bias"), level)
+        self.gate_up = head_linear([t["layer.mlp.gate_proj.weight"], t["layer.mlp.up_proj.weight"]],
+                                   None, level)
+        self.down = head_linear([t["layer.mlp.down_proj.weight"]], None, level)
         self.input_norm = t.get("layer.input_layernorm.weight")  # EAGLE-1/2: usually none
         self.hidden_norm = t.get("layer.hidden_norm.weight")  # EAGLE-3
         self.post_norm = t["layer.post_attention_layernorm.weight"]
         self.norm = t.get("norm.weight")
-        self.lm_head = t.get("lm_head.weight")  # EAGLE-3's, over its draft vocabulary
+        lm_head = t.get("lm_head.weight")  # EAGLE-3's, over its draft vocabulary
         self.draft_to_target = heads.draft_to_target
         self.eps = self.args.rms_norm_eps
-        if self.lm_head is None and self.draft_to_target is not None:  # EAGLE-1/2, fewer tokens
-            self.lm_head = _head_rows(target, self.draft_to_target)
+        if lm_head is None and self.draft_to_target is not None:  # EAGLE-1/2, fewer tokens
+            lm_head = _head_rows(target, self.draft_to_target)
+        # None: the target's own head, over its whole vocabulary (EAGLE-1/2)
+        self.lm_head = None if lm_head is None else head_linear([lm_head], None, level)
 
     def layer_calls(self, *args, **kwargs) -> None:
         return None  # torch ops only: the layer is small beside the target
@@ -117,7 +121,7 @@ class EagleModel:
         h = hidden if self.norm is None else _rms_norm(hidden, self.norm, self.eps)
         if self.lm_head is None:
             return self.target.logits(h.to(self.target.dtype))
-        return h @ self.lm_head.t()
+        return self.lm_head(h).float()
 
 
 def _head_rows(target, token_ids: torch.Tensor) -> torch.Tensor:
@@ -131,17 +135,17 @@ def _head_rows(target, token_ids: torch.Tensor) -> torch.Tensor:
 
 
 def build_eagle_runner(heads: EagleHeads, target: ModelRunner, plan: EnginePlan,
-                       attention: str, device: torch.device) -> ModelRunner:
-    """The head's runner: its model, and a one-layer KV cache over the plan's pages (the
-    target's page ids) in the plan's draft KV type, attending as ``attention`` asks."""
+                       level: OptFlags, device: torch.device) -> ModelRunner:
+    """The head's runner at the drafter's ``level``: its model, and a one-layer KV cache over
+    the plan's pages (the target's page ids) in the plan's draft KV type."""
     args = heads.args
     shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
     kv_dtype = KV_DTYPES[plan.draft_kv_dtype or plan.kv_dtype]
-    backend = create_backend(resolve_attention(attention, shape, kv_dtype), shape)
+    backend = create_backend(resolve_attention(level.attention, shape, kv_dtype), shape)
     kv = KVCache(1, plan.num_pages, plan.page_size, args.num_kv_heads, args.head_dim, kv_dtype,
                  device, backend.keys_transposed)
     positions = min(plan.max_single_sequence_length, args.context_length)
-    return ModelRunner(EagleModel(heads, target.model), kv, backend, TorchOps(), positions, device,
+    return ModelRunner(EagleModel(heads, target.model, level), kv, backend, TorchOps(), positions, device,
                        window=plan.window if plan.bounded else None)
 
 

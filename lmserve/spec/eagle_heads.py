@@ -73,14 +73,14 @@ def eagle_weights_file(path: str) -> str:
                             f"or one *.safetensors file)")
 
 
-def eagle_heads_bytes(path: str) -> int:
-    """Bytes the head's weights at ``path`` take in memory (float32), from the file's header
-    where it is safetensors (for the plan)."""
+def eagle_heads_size(path: str) -> int:
+    """The number of weights in the head's file at ``path``, from the file's header where it
+    is safetensors (for the plan)."""
     file = eagle_weights_file(path)
     if not file.endswith(".safetensors"):
-        return sum(t.numel() for t in _load(file).values()) * 4
+        return sum(t.numel() for t in _load(file).values())
     with safe_open(file, framework="pt") as f:
-        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys()) * 4
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
 
 
 def _load(file: str) -> dict[str, torch.Tensor]:

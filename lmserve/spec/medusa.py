@@ -30,9 +30,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from lmserve.config import OptFlags
 from lmserve.models.args import ModelArgs
 from lmserve.request import Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.spec.draft_level import head_linear
 from lmserve.spec.draft_vocab import read_draft_vocab, to_token_ids
 from lmserve.spec.tree import MAX_TREE_TOKENS, DraftTree
 
@@ -45,7 +47,8 @@ _VLLM = re.compile(r"(?:blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)|lm_heads\.(\
 @dataclass
 class MedusaHeads:
     """``blocks[i]``: head i's residual blocks as (weight (D, D), bias (D,)); ``heads[i]``: its
-    vocabulary projection (V, D), or its draft vocabulary's rows (V', D). Float32."""
+    vocabulary projection (V, D), or its draft vocabulary's rows (V', D). Float32, as in the
+    file (``MedusaDrafter`` holds them at the drafter's level)."""
 
     blocks: list[list[tuple[torch.Tensor, torch.Tensor]]]
     heads: list[torch.Tensor]
@@ -56,18 +59,6 @@ class MedusaHeads:
     def __len__(self) -> int:
         return len(self.heads)
 
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, depth: Optional[int] = None) -> torch.Tensor:
-        """``(depth, B, V)``: the first ``depth`` heads' logits (all by default) for the hidden
-        states ``(B, D)``, over the draft vocabulary (``V'``) if there is one."""
-        out = []
-        for blocks, head in list(zip(self.blocks, self.heads))[:depth]:
-            x = hidden.float()
-            for weight, bias in blocks:
-                x = x + F.silu(F.linear(x, weight, bias))
-            out.append(x @ head.t())
-        return torch.stack(out)
-
 
 def _heads_file(path: str) -> str:
     file = path if os.path.isfile(path) else next(
@@ -77,16 +68,16 @@ def _heads_file(path: str) -> str:
     return file
 
 
-def medusa_heads_bytes(path: str) -> int:
-    """Bytes the heads at ``path`` take in memory (float32), from a safetensors header without
+def medusa_heads_size(path: str) -> int:
+    """The number of weights in the heads' file at ``path``, from a safetensors header without
     reading the tensors (for the plan); errors name the heads."""
     try:
         file = _heads_file(path)
         if not file.endswith(".safetensors"):
             tensors = torch.load(file, map_location="cpu", weights_only=True)
-            return sum(t.numel() for t in tensors.values()) * 4
+            return sum(t.numel() for t in tensors.values())
         with safe_open(file, framework="pt") as f:
-            return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys()) * 4
+            return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     except FileNotFoundError as err:
         raise FileNotFoundError(f"additional_models[0] (the Medusa heads): {err}") from None
     except Exception as err:  # a damaged file: safetensors' and pickle's own errors
@@ -184,9 +175,24 @@ class MedusaDrafter:
     feature_layers = ()  # the target's final hidden states
     adaptive_start = 1  # heads trained here are right 10-17% of the time
 
-    def __init__(self, heads: MedusaHeads, width: int = 1) -> None:
+    def __init__(self, heads: MedusaHeads, level: OptFlags, width: int = 1) -> None:
+        """``level``: the drafter's (``draft_level``), which the heads' matrices run at."""
         self.heads = heads
         self.width = width
+        self.blocks = [[head_linear([w], b, level) for w, b in blocks] for blocks in heads.blocks]
+        self.projections = [head_linear([h], None, level) for h in heads.heads]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, depth: Optional[int] = None) -> torch.Tensor:
+        """``(depth, B, V)``: the first ``depth`` heads' float32 logits (all by default) for the
+        hidden states ``(B, D)``, over the draft vocabulary (``V'``) if there is one."""
+        out = []
+        for blocks, projection in list(zip(self.blocks, self.projections))[:depth]:
+            x = hidden.float()
+            for block in blocks:
+                x = x + F.silu(block(x).float())
+            out.append(projection(x).float())
+        return torch.stack(out)
 
     @staticmethod
     def observe(seq: Sequence, start: int, hidden: torch.Tensor) -> None:
@@ -208,7 +214,7 @@ class MedusaDrafter:
         if not drafting:
             return
         deepest = max(depths[c] for c in drafting)
-        logits = self.heads.logits(torch.stack([c.seq.draft_state for c in drafting]), deepest)
+        logits = self.logits(torch.stack([c.seq.draft_state for c in drafting]), deepest)
         ranks = max((max(c) + 1 for c in self.heads.choices), default=1) if self.heads.choices else self.width
         top = to_token_ids(logits.topk(ranks, dim=-1).indices, self.heads.vocab)  # (k, B, ranks)
         for b, c in enumerate(drafting):

@@ -29,7 +29,7 @@ from lmserve.request import Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.spec.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength
 from lmserve.runner import ModelRunner
-from lmserve.spec.draft_model import DraftModelDrafter
+from lmserve.spec.draft_model import DraftModelDrafter, draft_opt
 from lmserve.spec.eagle import EagleDrafter
 from lmserve.spec.medusa import MedusaDrafter, read_medusa_heads
 from lmserve.spec.ngram import NgramDrafter
@@ -165,7 +165,7 @@ def make_speculator(config: EngineConfig, plan: EnginePlan, target: ModelArgs,
             raise ValueError("additional_models[0] (the Medusa heads) has medusa_choices, a tree, "
                              "which a model with recurrent layers cannot verify: its state follows "
                              "one chain of tokens")
-        drafter = MedusaDrafter(heads, width)
+        drafter = MedusaDrafter(heads, draft_opt(config), width)
     elif config.speculative_mode == "eagle":
         drafter = EagleDrafter(draft_runner, draft_runner.model.aux_layers, plan.prefill_chunk_size, width)
     else:
