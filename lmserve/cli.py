@@ -361,12 +361,13 @@ def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lmserve.models.source import open_model
     from lmserve.plan import make_plan
     from lmserve.spec.draft_model import draft_opt, read_draft_model
+    from lmserve.spec.eagle_heads import eagle_head_args
 
     try:
         config, source = open_model(config)
         model = source.args
         draft = read_draft_model(config, model)
-        plan = make_plan(config, model, draft_args=draft and draft.args,
+        plan = make_plan(config, model, draft_args=(draft and draft.args) or eagle_head_args(config, model),
                          draft_opt=draft and draft_opt(config, draft),
                          stage_layers_given=source.stage_layers)
         defaults = source.generation_defaults(args.generation_config)

@@ -313,3 +313,22 @@ def test_unseeded_sampling_with_eagle_follows_the_models_distribution(target):
     model_dir, _, _, heads = target
     assert_drafts_keep_the_distribution(model_dir, speculative_mode="eagle",
                                         additional_models=[heads["eagle1"]], spec_draft_length=3)
+
+
+def test_the_plan_command_counts_the_head_as_the_engine_does(target, capsys):
+    """``lmserve plan`` (the head's config only, no weights read) plans the head's layer and
+    its KV at the draft level exactly as the engine does."""
+    from lmserve import cli
+
+    model_dir, args, nets, heads = target
+    flags = dict(model=model_dir, speculative_mode="eagle", additional_models=[heads["eagle1"]],
+                 opt="O2;draft_opt=O3", verbose=False)
+    assert cli.main(["plan", "--model", model_dir, "--speculative-mode", "eagle", "--additional-models",
+                     heads["eagle1"], "--opt", flags["opt"]]) == 0
+    printed = capsys.readouterr().out
+    engine = Engine(**flags)
+    try:
+        plan = engine._core.plan
+        assert plan.draft_kv_dtype == "int8" and plan.describe() in printed
+    finally:
+        engine.shutdown()

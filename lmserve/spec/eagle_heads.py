@@ -92,13 +92,7 @@ def _load(file: str) -> dict[str, torch.Tensor]:
 def read_eagle_heads(path: str, target: ModelArgs) -> EagleHeads:
     """The EAGLE head at ``path``, checked against the target: a missing, stray or misshapen
     tensor, or a head whose sizes do not fit the target, is refused with the numbers."""
-    directory = path if os.path.isdir(path) else os.path.dirname(path)
-    config_path = os.path.join(directory, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{directory} has no config.json (an EAGLE head's one-layer Llama "
-                                f"config)")
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
+    config_path, config = _read_config(path)
     file = eagle_weights_file(path)
     raw = _load(file)
     tensors = {name.removeprefix("model."): t for name, t in raw.items()}
@@ -165,6 +159,28 @@ def read_eagle_heads(path: str, target: ModelArgs) -> EagleHeads:
         draft_to_target = vocab
     floats = {n: t.float() for n, t in tensors.items()}
     return EagleHeads(version, args, floats, aux, draft_to_target)
+
+
+def _read_config(path: str) -> tuple[str, dict]:
+    """The head's ``config.json``: its path and contents."""
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{directory} has no config.json (an EAGLE head's one-layer Llama "
+                                f"config)")
+    with open(config_path, encoding="utf-8") as f:
+        return config_path, json.load(f)
+
+
+def eagle_head_args(config: EngineConfig, target: ModelArgs) -> Optional[ModelArgs]:
+    """The layer of ``speculative_mode="eagle"``'s head from its config alone (for a plan
+    without weights); None for other modes."""
+    if config.speculative_mode != "eagle":
+        return None
+    try:
+        return eagle_layer_args(_read_config(config.additional_models[0])[1], target)
+    except OSError as err:
+        raise type(err)(f"additional_models[0] (the EAGLE head): {err}") from None
 
 
 def read_eagle_head(config: EngineConfig, target: ModelArgs) -> Optional[EagleHeads]:
