@@ -332,3 +332,26 @@ def test_the_plan_command_counts_the_head_as_the_engine_does(target, capsys):
         assert plan.draft_kv_dtype == "int8" and plan.describe() in printed
     finally:
         engine.shutdown()
+
+
+def test_a_sequences_pending_features_grow_and_drop_as_a_plain_list_does():
+    """The drafter's per-sequence feature buffer (appended in place, shrunk after a prefill
+    chunk) against a plain list of rows, over random appends and drops."""
+    from lmserve.spec.eagle import _Pending
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(6000, 8, generator=gen)
+    pending, reference, start, used = _Pending(5, rows[:3]), list(rows[:3]), 5, 3
+    for n in torch.randint(0, 40, (200,), generator=gen).tolist() + [1500, 0, 1, 2]:
+        pending.append(rows[used : used + n])
+        reference += list(rows[used : used + n])
+        used += n
+        drop = min(len(reference), n // 2 + 1)
+        pending.drop(drop)
+        reference, start = reference[drop:], start + drop
+        assert pending.start == start and pending.end == start + len(reference)
+        assert torch.equal(pending.features, torch.stack(reference) if reference else rows[:0])
+    pending.append(rows[used : used + 1000])  # a prefill chunk's rows, then run by the head
+    pending.drop(len(pending.features) - 3)
+    assert torch.equal(pending.features, rows[used + 997 : used + 1000])
+    assert len(pending._buffer) <= 64  # the room it took is given back

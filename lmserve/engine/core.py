@@ -400,10 +400,13 @@ class EngineCore:
         no second pass."""
         offset, features = 0, self.runner.features
         for c in batch.chunks:
-            rows = list(range(offset, offset + c.num_tokens))
-            rows += [offset + c.num_tokens + node for node in c.accepted]
-            self.speculator.drafter.observe(c.seq, c.seq.num_computed, features[rows])
-            offset += c.num_tokens + len(c.draft)
+            end = offset + c.num_tokens
+            if c.accepted == list(range(len(c.accepted))):  # a chain's first drafts: in place
+                rows = features[offset : end + len(c.accepted)]
+            else:
+                rows = features[list(range(offset, end)) + [end + node for node in c.accepted]]
+            self.speculator.drafter.observe(c.seq, c.seq.num_computed, rows)
+            offset = end + len(c.draft)
 
     def _move_accepted_kv(self, batch: Batch) -> None:
         """Put the KV of accepted draft-tree paths at the positions of their depths."""

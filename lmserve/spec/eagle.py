@@ -23,7 +23,6 @@ likely nodes of the newest depth by w tokens each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -47,6 +46,7 @@ from lmserve.step import SeqStep, StepInput
 
 # Features a sequence may hold before the head runs them, drafting or not.
 CATCH_UP_TOKENS = 64
+_MIN_ROWS = 16  # a feature buffer's least room
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -149,16 +149,42 @@ def build_eagle_runner(heads: EagleHeads, target: ModelRunner, plan: EnginePlan,
                        window=plan.window if plan.bounded else None)
 
 
-@dataclass
 class _Pending:
-    """A sequence's target features not yet run by the head: rows for positions from ``start``."""
+    """A sequence's target features not yet run by the head: rows for positions from ``start``,
+    in a buffer with room to grow, so that a step's rows are copied once (``append``)."""
 
-    start: int
-    features: torch.Tensor  # (n, F)
+    def __init__(self, start: int, features: torch.Tensor) -> None:
+        self.start = start
+        self._buffer = features.new_empty((max(len(features), _MIN_ROWS), features.shape[1]))
+        self._buffer[: len(features)] = features
+        self._size = len(features)
+
+    @property
+    def features(self) -> torch.Tensor:
+        return self._buffer[: self._size]  # (n, F)
 
     @property
     def end(self) -> int:
-        return self.start + len(self.features)
+        return self.start + self._size
+
+    def append(self, rows: torch.Tensor) -> None:
+        """The features of the positions from ``end`` on."""
+        size = self._size + len(rows)
+        if size > len(self._buffer):
+            grown = self._buffer.new_empty((max(size, 2 * len(self._buffer)), self._buffer.shape[1]))
+            grown[: self._size] = self.features
+            self._buffer = grown
+        self._buffer[self._size : size] = rows
+        self._size = size
+
+    def drop(self, n: int) -> None:
+        """Forget the first ``n`` rows (run by the head); a buffer grown for a prefill chunk
+        shrinks back."""
+        rest = self._buffer[n : self._size]
+        if len(self._buffer) > 2 * max(CATCH_UP_TOKENS, len(rest)):
+            self._buffer = rest.new_empty((max(len(rest), _MIN_ROWS), rest.shape[1]))
+        self._buffer[: len(rest)] = rest.clone() if len(rest) > n else rest  # (overlapping)
+        self.start, self._size = self.start + n, len(rest)
 
 
 class EagleDrafter:
@@ -182,9 +208,9 @@ class EagleDrafter:
         verified; kept (as the sequence's draft state) until the head runs them."""
         pending: Optional[_Pending] = seq.draft_state
         if pending is not None and pending.end == start:
-            seq.draft_state = _Pending(pending.start, torch.cat([pending.features, features]))
+            pending.append(features)
         else:  # the first, or after a preemption or a reused prefix: the head restarts there
-            seq.draft_state = _Pending(start, features.clone())
+            seq.draft_state = _Pending(start, features)
 
     def offer(self, seq: Sequence, cap: int) -> int:
         pending: Optional[_Pending] = seq.draft_state
@@ -273,8 +299,7 @@ class EagleDrafter:
             for c, (step, _) in zip(ran, steps):
                 seq, state = c.seq, c.seq.draft_state
                 seq.num_draft_computed += len(step.token_ids)
-                offset = seq.num_draft_computed - state.start
-                seq.draft_state = _Pending(seq.num_draft_computed, state.features[offset:])
+                state.drop(seq.num_draft_computed - state.start)
                 if step.num_logits:
                     first[c] = (top[row], self.runner.last_hidden[row])
                     row += 1
