@@ -340,7 +340,7 @@ def test_a_sequences_pending_features_grow_and_drop_as_a_plain_list_does():
     from lmserve.spec.eagle import _Pending
 
     gen = torch.Generator().manual_seed(0)
-    rows = torch.randn(6000, 8, generator=gen)
+    rows = torch.randn(10000, 8, generator=gen)
     pending, reference, start, used = _Pending(5, rows[:3]), list(rows[:3]), 5, 3
     for n in torch.randint(0, 40, (200,), generator=gen).tolist() + [1500, 0, 1, 2]:
         pending.append(rows[used : used + n])

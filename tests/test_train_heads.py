@@ -86,3 +86,16 @@ def test_prompt_files_and_bad_arguments_are_refused_with_reasons(tmp_path, capsy
             main(["train-heads", "--kind", "eagle", "--out", str(tmp_path / "x"), *argv])
         assert message in capsys.readouterr().err
     assert len(set(builtin_prompts())) == len(builtin_prompts()) > 300
+
+
+def test_further_answers_are_sampled_beside_the_greedy_one_and_the_same_on_every_run():
+    prompts = builtin_prompts()[:2]
+    core = EngineCore(EngineConfig(mode="server", verbose=False))
+    greedy = generate(core, prompts, 16)
+    runs = [generate(core, prompts, 16, answers=3) for _ in range(2)]
+    assert [s.tokens for s in runs[0]] == [s.tokens for s in runs[1]]  # seeded
+    first, sampled = runs[0][0::3], runs[0][1:3] + runs[0][4:6]
+    assert [s.tokens for s in first] == [s.tokens for s in greedy]
+    assert all(s.tokens[: s.answer_start] == g.tokens[: g.answer_start]
+               for s, g in zip(runs[0], [greedy[0]] * 3 + [greedy[1]] * 3))
+    assert len({tuple(s.tokens) for s in sampled}) == 4  # four different answers

@@ -51,6 +51,9 @@ def add_train_heads_parser(subparsers: Any) -> None:
     p.add_argument("--held-out", type=int, default=16,
                    help="further prompts the acceptance is measured on at the end (default 16; 0: skip)")
     p.add_argument("--max-tokens", type=int, default=256, help="answer length (default 256)")
+    p.add_argument("--answers", type=int, default=1,
+                   help="answers per training prompt: the greedy one, then sampled ones "
+                        "(more data from the same prompts; default 1)")
     p.add_argument("--epochs", type=int, default=FitSettings.epochs)
     p.add_argument("--lr", type=float, default=FitSettings.lr)
     p.add_argument("--batch", type=int, default=FitSettings.batch, help="conversations per step")
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         prompts = read_prompts(args.prompts) if args.prompts else builtin_prompts()
         if args.num_prompts is None:
             args.num_prompts = len(prompts) - args.held_out
-        for name in ("num_prompts", "max_tokens", "epochs", "batch", "medusa_heads", "medusa_layers"):
+        for name in ("num_prompts", "max_tokens", "answers", "epochs", "batch", "medusa_heads", "medusa_layers"):
             if getattr(args, name) < 1:
                 raise ValueError(f"argument --{name.replace('_', '-')}: must be at least 1")
         if args.held_out < 0 or args.num_prompts + args.held_out > len(prompts):
@@ -91,9 +94,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     core = EngineCore(config)
     _log(f"{args.kind} heads for {core.source.path} at opt {config.opt or 'default'}: {len(train)} prompts, "
-         f"answers of up to {args.max_tokens} tokens")
-    with tqdm(total=len(train) * args.max_tokens, unit="tok", desc="answering", file=sys.stderr) as bar:
-        samples = generate(core, train, args.max_tokens, bar.update)
+         f"{args.answers} answer{'s' if args.answers > 1 else ''} each of up to {args.max_tokens} tokens")
+    with tqdm(total=len(train) * args.answers * args.max_tokens, unit="tok", desc="answering",
+              file=sys.stderr) as bar:
+        samples = generate(core, train, args.max_tokens, bar.update, args.answers)
     if core.prefix_cache is not None:
         core.prefix_cache.clear()  # the feature pass borrows the pool's pages
     with tqdm(total=sum(len(s.tokens) for s in samples), unit="tok", desc="hidden states",

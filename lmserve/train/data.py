@@ -1,7 +1,9 @@
 """Training data for draft heads: the model's own answers and its hidden states along them.
 
-``generate`` asks the engine to answer each prompt (its chat template, greedy, every prompt
-queued at once so the engine batches them as it would a server's load); ``features`` runs each
+``generate`` asks the engine to answer each prompt (its chat template, greedy, and if asked
+further answers sampled at ``SAMPLED_TEMPERATURE``: more conversations from the same prompts;
+every request queued at once so the engine batches them as it would a server's load);
+``features`` runs each
 conversation through the model once more, teacher-forced, keeping the hidden states the heads
 read (``ModelRunner.feature_layers``) at the level the heads will serve at.
 """
@@ -16,6 +18,10 @@ import torch
 from lmserve.engine.core import EngineCore
 from lmserve.sampling_params import SamplingParams
 from lmserve.step import SeqStep, StepInput
+
+# Answers beyond a prompt's greedy one are sampled this warm: the model's own likely choices,
+# in contexts its greedy answer does not reach.
+SAMPLED_TEMPERATURE = 0.8
 
 
 @dataclass
@@ -36,15 +42,18 @@ def chat_prompt_ids(core: EngineCore, prompt: str) -> list[int]:
 
 
 def generate(core: EngineCore, prompts: list[str], max_tokens: int,
-             progress: Callable[[int], None] = lambda n: None) -> list[Sample]:
-    """The model's greedy answers to ``prompts`` (at most ``max_tokens`` each), batched by the
-    engine; ``progress`` is called with the tokens each step produced."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+             progress: Callable[[int], None] = lambda n: None, answers: int = 1) -> list[Sample]:
+    """The model's answers to ``prompts`` (at most ``max_tokens`` each), batched by the engine:
+    per prompt its greedy answer, then ``answers - 1`` sampled ones (seeded: the same on every
+    run); ``progress`` is called with the tokens each step produced."""
     samples = {}
     for i, prompt in enumerate(prompts):
         ids = chat_prompt_ids(core, prompt)
-        core.add_request(str(i), ids, params)
-        samples[str(i)] = Sample(list(ids), len(ids))
+        for j in range(answers):
+            params = SamplingParams(temperature=SAMPLED_TEMPERATURE if j else 0.0,
+                                    seed=i * answers + j if j else None, max_tokens=max_tokens)
+            core.add_request(f"{i}.{j}", ids, params)
+            samples[f"{i}.{j}"] = Sample(list(ids), len(ids))
     while core.has_work():
         for out in core.step():
             if out.error is not None:
@@ -52,7 +61,7 @@ def generate(core: EngineCore, prompts: list[str], max_tokens: int,
             for delta in out.deltas:
                 samples[out.request_id].tokens += delta.token_ids
                 progress(len(delta.token_ids))
-    return [samples[str(i)] for i in range(len(prompts))]
+    return list(samples.values())
 
 
 def features(core: EngineCore, samples: list[Sample], feature_layers: tuple[int, ...],
