@@ -107,7 +107,7 @@ _KNOB_VALUES: dict[str, dict[str, Any]] = {
 
 
 def opt_without_draft_opt(opt: Optional[str]) -> Optional[str]:
-    """``opt`` without its ``draft_opt`` knob (the draft model's level, not the model's);
+    """``opt`` without its ``draft_opt`` knob (the drafter's level, not the model's);
     None when nothing else is left."""
     items = [item.strip() for item in (opt or "").split(";")
              if item.strip() and item.partition("=")[0].strip() != "draft_opt"]

@@ -195,7 +195,7 @@ class ModelLibrary:
     def apply(self, config: EngineConfig) -> EngineConfig:
         """``config`` with the library's opt, tensor_parallel_shards and pipeline_parallel_stages
         (a different value given is logged as ignored, as MLC LLM does); the draft_opt knob is
-        the draft model's, and kept."""
+        the drafter's (a draft model's or heads'), and kept."""
         info = self.info
         given = opt_without_draft_opt(config.opt)
         if given is not None and parse_opt(given) != parse_opt(info.opt):

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from lmserve.config import OptFlags
-from lmserve.layers.linear import Linear, make_linear
+from lmserve.layers.linear import Linear, make_linear, resolve_act_dtype, resolve_weight_format
 
 
 def head_weight_format(level: OptFlags) -> str:
@@ -22,6 +22,14 @@ def head_weight_format(level: OptFlags) -> str:
     return "int8" if level.weight_dtype == "native" else level.weight_dtype
 
 
-def head_linear(parts: list[torch.Tensor], bias: Optional[torch.Tensor], level: OptFlags) -> Linear:
-    """A head's linear layer (``parts`` stacked along the output dimension) at ``level``."""
-    return make_linear(parts, bias, head_weight_format(level), level.act_dtype)
+def head_formats(level: OptFlags) -> tuple[str, str]:
+    """The weight format and activations of a head's matrices at ``level``, as this machine can
+    run them (a fallback where a C++ kernel is missing is logged, as for a model)."""
+    return resolve_weight_format(head_weight_format(level)), resolve_act_dtype(level.act_dtype)
+
+
+def head_linear(parts: list[torch.Tensor], bias: Optional[torch.Tensor],
+                formats: tuple[str, str]) -> Linear:
+    """A head's linear layer (``parts`` stacked along the output dimension) in ``formats``
+    (``head_formats``)."""
+    return make_linear(parts, bias, *formats)

@@ -23,12 +23,13 @@ likely nodes of the newest depth by w tokens each.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from lmserve.attention import resolve_attention
+from lmserve.attention import resolve_attention, why_no_int8_kv
 from lmserve.attention.base import AttentionShape, create_backend
 from lmserve.cache.kv import KV_DTYPES, KVCache
 from lmserve.config import OptFlags
@@ -38,11 +39,13 @@ from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.spec.draft_level import head_linear
+from lmserve.spec.draft_level import head_formats, head_linear
 from lmserve.spec.draft_vocab import to_token_ids
 from lmserve.spec.eagle_heads import EagleHeads
 from lmserve.spec.dynamic_tree import CandidateTree
 from lmserve.step import SeqStep, StepInput
+
+logger = logging.getLogger("lmserve")
 
 # Features a sequence may hold before the head runs them, drafting or not.
 CATCH_UP_TOKENS = 64
@@ -61,20 +64,21 @@ class EagleModel:
     def __init__(self, heads: EagleHeads, target, level: OptFlags) -> None:
         """``target``: the target's ``LlamaModel`` (its embedding and head are shared)."""
         self.args, self.version, self.target = heads.args, heads.version, target
+        formats = head_formats(level)
         self.aux_layers = heads.aux_layers  # the target's features it reads (see EagleHeads)
         self.layer_ids = range(self.args.num_layers)  # (the runner's view of its layers)
         t = heads.tensors
-        self.fc = head_linear([t["fc.weight"]], t.get("fc.bias"), level)
+        self.fc = head_linear([t["fc.weight"]], t.get("fc.bias"), formats)
         attn = "layer.self_attn."
         biases = [t.get(f"{attn}{p}_proj.bias") for p in "qkv"]
         bias = None if all(b is None for b in biases) else torch.cat([
             b if b is not None else torch.zeros(t[f"{attn}{p}_proj.weight"].shape[0])
             for p, b in zip("qkv", biases)])
-        self.qkv = head_linear([t[f"{attn}{p}_proj.weight"] for p in "qkv"], bias, level)
-        self.o = head_linear([t[attn + "o_proj.weight"]], t.get(attn + "o_proj.bias"), level)
+        self.qkv = head_linear([t[f"{attn}{p}_proj.weight"] for p in "qkv"], bias, formats)
+        self.o = head_linear([t[attn + "o_proj.weight"]], t.get(attn + "o_proj.bias"), formats)
         self.gate_up = head_linear([t["layer.mlp.gate_proj.weight"], t["layer.mlp.up_proj.weight"]],
-                                   None, level)
-        self.down = head_linear([t["layer.mlp.down_proj.weight"]], None, level)
+                                   None, formats)
+        self.down = head_linear([t["layer.mlp.down_proj.weight"]], None, formats)
         self.input_norm = t.get("layer.input_layernorm.weight")  # EAGLE-1/2: usually none
         self.hidden_norm = t.get("layer.hidden_norm.weight")  # EAGLE-3
         self.post_norm = t["layer.post_attention_layernorm.weight"]
@@ -85,7 +89,7 @@ class EagleModel:
         if lm_head is None and self.draft_to_target is not None:  # EAGLE-1/2, fewer tokens
             lm_head = _head_rows(target, self.draft_to_target)
         # None: the target's own head, over its whole vocabulary (EAGLE-1/2)
-        self.lm_head = None if lm_head is None else head_linear([lm_head], None, level)
+        self.lm_head = None if lm_head is None else head_linear([lm_head], None, formats)
 
     def layer_calls(self, *args, **kwargs) -> None:
         return None  # torch ops only: the layer is small beside the target
@@ -140,7 +144,11 @@ def build_eagle_runner(heads: EagleHeads, target: ModelRunner, plan: EnginePlan,
     the plan's pages (the target's page ids) in the plan's draft KV type."""
     args = heads.args
     shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
-    kv_dtype = KV_DTYPES[plan.draft_kv_dtype or plan.kv_dtype]
+    kv_dtype = KV_DTYPES[plan.draft_kv_dtype]
+    if plan.draft_kv_dtype != level.kv_dtype:  # int8 KV, which only the C++ kernel reads
+        logger.warning("kv_dtype=%s of the EAGLE head's level is unavailable here (%s); using a "
+                       "%s KV cache", level.kv_dtype, why_no_int8_kv(shape, plan.page_size),
+                       plan.draft_kv_dtype)
     backend = create_backend(resolve_attention(level.attention, shape, kv_dtype), shape)
     kv = KVCache(1, plan.num_pages, plan.page_size, args.num_kv_heads, args.head_dim, kv_dtype,
                  device, backend.keys_transposed)

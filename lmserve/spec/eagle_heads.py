@@ -179,7 +179,7 @@ def eagle_head_args(config: EngineConfig, target: ModelArgs) -> Optional[ModelAr
         return None
     try:
         return eagle_layer_args(_read_config(config.additional_models[0])[1], target)
-    except OSError as err:
+    except (OSError, ValueError) as err:  # (a damaged config.json: ValueError)
         raise type(err)(f"additional_models[0] (the EAGLE head): {err}") from None
 
 

@@ -34,7 +34,7 @@ from lmserve.config import OptFlags
 from lmserve.models.args import ModelArgs
 from lmserve.request import Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.spec.draft_level import head_linear
+from lmserve.spec.draft_level import head_formats, head_linear
 from lmserve.spec.draft_vocab import read_draft_vocab, to_token_ids
 from lmserve.spec.tree import MAX_TREE_TOKENS, DraftTree
 
@@ -176,11 +176,13 @@ class MedusaDrafter:
     adaptive_start = 1  # heads trained here are right 10-17% of the time
 
     def __init__(self, heads: MedusaHeads, level: OptFlags, width: int = 1) -> None:
-        """``level``: the drafter's (``draft_level``), which the heads' matrices run at."""
-        self.heads = heads
+        """``level``: the drafter's (``draft_level``), which the heads' matrices run at (the
+        float32 ``heads`` are not kept)."""
+        self.choices, self.vocab = heads.choices, heads.vocab
         self.width = width
-        self.blocks = [[head_linear([w], b, level) for w, b in blocks] for blocks in heads.blocks]
-        self.projections = [head_linear([h], None, level) for h in heads.heads]
+        formats = head_formats(level)
+        self.blocks = [[head_linear([w], b, formats) for w, b in blocks] for blocks in heads.blocks]
+        self.projections = [head_linear([h], None, formats) for h in heads.heads]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, depth: Optional[int] = None) -> torch.Tensor:
@@ -202,11 +204,11 @@ class MedusaDrafter:
         seq.draft_state = hidden[-1].clone()  # not a view keeping the step's rows alive
 
     def offer(self, seq: Sequence, cap: int) -> int:
-        return min(cap, len(self.heads)) if seq.draft_state is not None else 0
+        return min(cap, len(self.projections)) if seq.draft_state is not None else 0
 
     def num_nodes(self, seq: Sequence, depth: int) -> int:
-        if self.heads.choices is not None:
-            return sum(len(c) <= depth for c in self.heads.choices)
+        if self.choices is not None:
+            return sum(len(c) <= depth for c in self.choices)
         return depth * self.width
 
     def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
@@ -215,13 +217,13 @@ class MedusaDrafter:
             return
         deepest = max(depths[c] for c in drafting)
         logits = self.logits(torch.stack([c.seq.draft_state for c in drafting]), deepest)
-        ranks = max((max(c) + 1 for c in self.heads.choices), default=1) if self.heads.choices else self.width
-        top = to_token_ids(logits.topk(ranks, dim=-1).indices, self.heads.vocab)  # (k, B, ranks)
+        ranks = max((max(c) + 1 for c in self.choices), default=1) if self.choices else self.width
+        top = to_token_ids(logits.topk(ranks, dim=-1).indices, self.vocab)  # (k, B, ranks)
         for b, c in enumerate(drafting):
             levels = top[: depths[c], b].tolist()  # per depth, its candidates best first
-            if self.heads.choices is not None:
+            if self.choices is not None:
                 tree = DraftTree()
-                for path in self.heads.choices:
+                for path in self.choices:
                     if len(path) <= depths[c]:
                         node = -1
                         for depth, rank in enumerate(path):
