@@ -197,6 +197,24 @@ def test_the_adaptive_length_climbs_to_the_best_length_and_off_when_drafts_do_no
     assert policy.choose(1) == 6
 
 
+def test_steps_without_drafts_do_not_measure_the_length_that_allowed_them():
+    """Prompt lookup drafts only where the text repeats: stretches with matches alternate with
+    stretches without, where every length runs as plain decoding. Measured as the length's,
+    those steps made a length tried in one look worse than the current one measured in the
+    other, and the policy wandered (to 1-4 drafts in half the steps with matches, 100-step
+    stretches); not measured, it holds the best length (6, as in the test above)."""
+    policy, chosen = AdaptiveDraftLength(start=4), []
+    for step in range(3000):
+        k = policy.choose(1)
+        matches = (step // 100) % 2 == 0
+        drafts = k if matches else 0
+        policy.observe(sum(0.8 ** i for i in range(drafts + 1)), 0.010 + 0.001 * (1 + drafts),
+                       drafted=drafts > 0)
+        if matches:
+            chosen.append(k)
+    assert chosen[-500:].count(6) >= 480
+
+
 # -- the engine: output identical to speculation off ---------------------------------------------
 
 def count_tree_moves(engine: Engine) -> list[int]:

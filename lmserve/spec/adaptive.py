@@ -68,13 +68,19 @@ class AdaptiveDraftLength:
         """This step is not the one chosen last: it must not be measured as such."""
         self._last = None
 
-    def observe(self, tokens: float, seconds: float) -> None:
-        """The step chosen last gave ``tokens`` verified tokens in ``seconds``. Only decode
-        steps are observed; ``skip`` says that the next step was not chosen here."""
+    def observe(self, tokens: float, seconds: float, drafted: bool = True) -> None:
+        """The step chosen last gave ``tokens`` verified tokens in ``seconds`` (``drafted``:
+        with some drafts). Only decode steps are observed; ``skip`` says that the next step was
+        not chosen here. A step that allowed drafts but had none (prompt lookup found no match)
+        ran as plain decoding whatever the length: it is not measured as that length's, or the
+        stretches of a workload without matches would pull every length towards plain decoding
+        (a length tried in one looked worse than one measured in a stretch with matches)."""
         if self._last is None or seconds <= 0:
             return
         bucket, index = self._last
         self._last = None
+        if not drafted and LENGTHS[index]:
+            return
         rate = tokens / seconds
         old = bucket.goodput.get(index)
         bucket.goodput[index] = rate if old is None else old + _SMOOTHING * (rate - old)

@@ -122,13 +122,14 @@ class Speculator:
 
     def record(self, batch: Batch, seconds: float) -> None:
         """Count a step (its chunks' ``num_accepted`` set) that took ``seconds`` in all."""
-        decode_only, tokens = True, 0
+        decode_only, tokens, drafted = True, 0, False
         for chunk in batch.chunks:
             if not chunk.decode:
                 decode_only = False
                 continue
             tokens += 1 + chunk.num_accepted
             drafts, accepted = len(chunk.draft), chunk.num_accepted
+            drafted = drafted or drafts > 0
             if drafts:
                 c = self.counters
                 c.num_drafts += 1
@@ -137,7 +138,7 @@ class Speculator:
                 for pos in range(accepted):
                     c.accepted_per_pos[pos] += 1
         if self.adaptive is not None and decode_only:
-            self.adaptive.observe(tokens, seconds)
+            self.adaptive.observe(tokens, seconds, drafted)
 
     def _cap(self, seq: Sequence) -> int:
         left = self.max_sequence_length - len(seq.token_ids)
