@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from lmserve.attention import resolve_attention, why_no_int8_kv
-from lmserve.attention.base import AttentionShape, create_backend
+from lmserve.attention.base import AttentionBackend, AttentionShape, create_backend
 from lmserve.attention.cpu_paged import CpuPagedBackend
 from lmserve.cache.kv import KV_DTYPES, KVCache
 from lmserve.cache.state import StateCache
@@ -54,6 +54,16 @@ def prepare_model(model_path: str, args: ModelArgs, opt: OptFlags,
     return model_class(args.architecture)(args, weights, weight_format, act, mlp_act, head, layers)
 
 
+def attention_backend(shape: AttentionShape, kv_dtype: str, opt: OptFlags,
+                      page_size: int) -> AttentionBackend:
+    """The attention ``opt`` asks for over the plan's ``kv_dtype`` cache, which is ``opt``'s
+    unless that is int8 where only the C++ kernel reads it and it cannot (logged)."""
+    if kv_dtype != opt.kv_dtype:
+        logger.warning("kv_dtype=%s is unavailable here (%s); using a %s KV cache", opt.kv_dtype,
+                       why_no_int8_kv(shape, page_size), kv_dtype)
+    return create_backend(resolve_attention(opt.attention, shape, KV_DTYPES[kv_dtype]), shape)
+
+
 def build_worker(model: LlamaModel, plan: EnginePlan, opt: OptFlags, device: torch.device,
                  all_reduce: Optional[AllReduce] = None) -> ModelRunner:
     """The runner of ``model`` (prepared, or loaded from a model library) over a KV cache of
@@ -63,10 +73,7 @@ def build_worker(model: LlamaModel, plan: EnginePlan, opt: OptFlags, device: tor
     kv_dtype = KV_DTYPES[plan.kv_dtype]
     backend = None  # a model without attention layers (Mamba) has neither backend nor KV
     if args.attention_layers:
-        if plan.kv_dtype != opt.kv_dtype:  # int8 KV, which only the C++ kernel reads
-            logger.warning("kv_dtype=%s is unavailable here (%s); using a %s KV cache", opt.kv_dtype,
-                           why_no_int8_kv(shape, plan.page_size), plan.kv_dtype)
-        backend = create_backend(resolve_attention(opt.attention, shape, kv_dtype), shape)
+        backend = attention_backend(shape, plan.kv_dtype, opt, plan.page_size)
     kv = KVCache(sum(i in model.layer_ids for i in args.attention_layers), plan.num_pages, plan.page_size, args.num_kv_heads,
                  args.head_dim, kv_dtype, device, backend is not None and backend.keys_transposed)
     states = None

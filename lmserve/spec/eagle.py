@@ -23,14 +23,12 @@ likely nodes of the newest depth by w tokens each.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from lmserve.attention import resolve_attention, why_no_int8_kv
-from lmserve.attention.base import AttentionShape, create_backend
+from lmserve.attention.base import AttentionShape
 from lmserve.cache.kv import KV_DTYPES, KVCache
 from lmserve.config import OptFlags
 from lmserve.layers.fused import TorchOps
@@ -44,8 +42,7 @@ from lmserve.spec.draft_vocab import to_token_ids
 from lmserve.spec.eagle_heads import EagleHeads
 from lmserve.spec.dynamic_tree import CandidateTree
 from lmserve.step import SeqStep, StepInput
-
-logger = logging.getLogger("lmserve")
+from lmserve.worker import attention_backend
 
 # Features a sequence may hold before the head runs them, drafting or not.
 CATCH_UP_TOKENS = 64
@@ -144,14 +141,9 @@ def build_eagle_runner(heads: EagleHeads, target: ModelRunner, plan: EnginePlan,
     the plan's pages (the target's page ids) in the plan's draft KV type."""
     args = heads.args
     shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
-    kv_dtype = KV_DTYPES[plan.draft_kv_dtype]
-    if plan.draft_kv_dtype != level.kv_dtype:  # int8 KV, which only the C++ kernel reads
-        logger.warning("kv_dtype=%s of the EAGLE head's level is unavailable here (%s); using a "
-                       "%s KV cache", level.kv_dtype, why_no_int8_kv(shape, plan.page_size),
-                       plan.draft_kv_dtype)
-    backend = create_backend(resolve_attention(level.attention, shape, kv_dtype), shape)
-    kv = KVCache(1, plan.num_pages, plan.page_size, args.num_kv_heads, args.head_dim, kv_dtype,
-                 device, backend.keys_transposed)
+    backend = attention_backend(shape, plan.draft_kv_dtype, level, plan.page_size)
+    kv = KVCache(1, plan.num_pages, plan.page_size, args.num_kv_heads, args.head_dim,
+                 KV_DTYPES[plan.draft_kv_dtype], device, backend.keys_transposed)
     positions = min(plan.max_single_sequence_length, args.context_length)
     return ModelRunner(EagleModel(heads, target.model, level), kv, backend, TorchOps(), positions, device,
                        window=plan.window if plan.bounded else None)
