@@ -59,8 +59,9 @@ class OptFlags:
     # element-wise layer ops (residual + RMSNorm, SiLU * up).
     attention: AttentionKernel = "torch_native"
     # torch.compile the layers' torch ops around attention (norms, projections, MLP): only on the
-    # torch path (attention=torch_native, dense float32/float16 weights); with lmserve's C++
-    # attention or matmul kernels, which torch.compile cannot see into, compile=1 is refused.
+    # torch path (attention=torch_native, which compile=1 selects unless the attention knob is
+    # given, and dense float32/float16 weights); with lmserve's C++ attention or block matmul
+    # kernels, which torch.compile cannot see into, compile=1 is refused.
     compile: bool = False
     # The opt level of the draft model (small_draft) or the heads (eagle, medusa); None:
     # DEFAULT_DRAFT_OPT. A full-precision target verifying its own quantized weights is a real
@@ -69,8 +70,10 @@ class OptFlags:
 
 
 # The one place that says what each level means; change a preset here and nowhere else.
-# O0 is the full-precision reference path: float32 weights, activations and KV, torch attention.
-# From O1 on the KV cache is bfloat16 and attention runs in the C++ paged kernel. O1 holds the
+# O0 is the full-precision reference path: float32 weights, activations and KV, computed in
+# lmserve's C++ kernels (float32 arithmetic in one fixed order per row; torch where they cannot
+# be built; "O0;attention=torch_native" is torch throughout, and what compile=1 compiles).
+# From O1 on the KV cache is bfloat16. O1 holds the
 # weights in bfloat16 (bf16 activations). O2 (the default) multiplies a GGUF file's own 4-/8-bit
 # blocks (no re-rounding) with activations quantized to two int8 digits per block (int16): more
 # precise than bf16 activations and faster, with integer dot products. O3 uses one int8 digit
@@ -82,7 +85,7 @@ class OptFlags:
 _BF16 = "bfloat16"
 _DENSE_WEIGHTS = ("float32", "float16")  # weight formats held as torch tensors (compile=1 needs them)
 OPT_LEVELS: dict[str, OptFlags] = {
-    "O0": OptFlags(),
+    "O0": OptFlags(attention="cpu_paged"),
     "O1": OptFlags(weight_dtype=_BF16, kv_dtype=_BF16, act_dtype=_BF16, attention="cpu_paged"),
     "O2": OptFlags(weight_dtype="native", kv_dtype=_BF16, act_dtype="int16", attention="cpu_paged"),
     "O3": OptFlags(weight_dtype="native", kv_dtype="int8", act_dtype="int8", attention="cpu_paged"),
@@ -149,6 +152,8 @@ def parse_opt(opt: Optional[str]) -> OptFlags:
             valid = ", ".join(choices)
             raise ValueError(f"opt: invalid value {value!r} for knob {name!r}; valid: {valid}")
         updates[name] = choices[value.lower()]
+    if updates.get("compile") and "attention" not in updates:
+        updates["attention"] = "torch_native"  # what compile=1 compiles (O0's is the C++ kernel)
     flags = dataclasses.replace(OPT_LEVELS[level], **updates)
     if flags.kv_dtype == "int8" and flags.attention != "cpu_paged":
         raise ValueError(f"opt: kv_dtype=int8 needs attention=cpu_paged (the C++ kernel reads it), "

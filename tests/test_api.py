@@ -50,6 +50,10 @@ def test_bad_request_is_refused_naming_the_field(builtin_engine):
         builtin_engine.chat.completions.create(messages=MESSAGES, temperature=-1)
     with pytest.raises(ValueError, match="messages"):
         builtin_engine.chat.completions.create(messages=[])
+    for prompt, says in [("Hello", "list of token ids"), ([1, 2.5], "list of token ids"),
+                         ([1, 10**9], "outside the vocabulary"), ([], "empty")]:
+        with pytest.raises(ValueError, match=says):
+            next(builtin_engine.generate(prompt, SamplingParams(max_tokens=2)))
 
 
 def test_async_engine_serves_concurrent_requests(tiny_model_dir):

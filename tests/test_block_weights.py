@@ -8,7 +8,7 @@ from gguf.quants import dequantize, quantize
 
 from lmserve.layers.blocks import BlockWeight, from_gguf_blocks
 from lmserve.layers.linear import (BlockLinear, DenseLinear, block_kernel_unavailable,
-                                   int8_kernel_unavailable, make_linear)
+                                   dense_kernel_unavailable, int8_kernel_unavailable, make_linear)
 
 needs_kernel = pytest.mark.skipif(block_kernel_unavailable() is not None,
                                   reason=f"C++ kernel unavailable: {block_kernel_unavailable()}")
@@ -214,18 +214,19 @@ def test_float32_activations_keep_about_16_bits(m):
     assert err32 < 1e-4 and err32 * 20 < err16
 
 
-def test_float32_dense_rows_of_a_multi_row_matmul_do_not_depend_on_the_other_rows():
-    """The torch path's float32 matmul (oneDNN): every row of a call of 2+ rows is the same
-    bits whatever the row count (MKL's sgemm, torch's F.linear, differs past each multiple of
-    8 rows); one row alone may differ in its last bits. All within float32 rounding of the
-    float64 product, bias included."""
-    weight, bias, x = torch.randn(200, 96), torch.randn(200), torch.randn(70, 96)
-    layer = DenseLinear(weight, bias, torch.float32)
-    full = layer(x)
-    for m in [2, 3, 7, 9, 15, 17, 33, 69]:
-        part = layer(x[:m])
-        assert torch.equal(part, full[:m]), m
-        assert torch.equal(layer(x[m - 2 : m])[1], full[m - 1]), m
-    ref = (x.double() @ weight.double().T + bias.double()).float()
-    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer(x[:1]), ref[:1], rtol=1e-5, atol=1e-5)
+@pytest.mark.skipif(dense_kernel_unavailable() is not None,
+                    reason=f"C++ kernel unavailable: {dense_kernel_unavailable()}")
+def test_float32_dense_rows_do_not_depend_on_the_other_rows():
+    """The float32 matmul (kernels/dense_gemm.cpp): every row the same bits whatever the row
+    count, one row alone included (oneDNN's one-row path differs in the last bits, MKL's sgemm
+    past each multiple of 8 rows); K = 100 is six vectors of 16 and a rest. Within float32
+    rounding of the float64 product, bias included."""
+    for k in (96, 100):
+        weight, bias, x = torch.randn(203, k), torch.randn(203), torch.randn(70, k)
+        layer = DenseLinear(weight, bias, torch.float32)
+        full = layer(x)
+        for m in [1, 2, 3, 4, 5, 7, 9, 15, 17, 33, 69]:
+            assert torch.equal(layer(x[:m]), full[:m]), (k, m)
+            assert torch.equal(layer(x[m - 1 : m])[0], full[m - 1]), (k, m)
+        ref = (x.double() @ weight.double().T + bias.double()).float()
+        torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)

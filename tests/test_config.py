@@ -212,7 +212,7 @@ def _flags(weights, kv, attention="cpu_paged", compile=False, act=None, mlp=None
 @pytest.mark.parametrize(
     "level, expected",
     [
-        ("O0", _flags("float32", "float32", "torch_native")),
+        ("O0", _flags("float32", "float32")),
         ("O1", _flags("bfloat16", "bfloat16")),
         ("O2", _flags("native", "bfloat16")),
         ("O3", _flags("native", "int8", act="int8")),
@@ -233,7 +233,8 @@ def test_levels(level, expected):
         ("O0;weight_dtype=f16;compile=1", _flags("float16", "float32", "torch_native", compile=True, act="float32")),
         ("O2;kv_dtype=float32", _flags("native", "float32")),
         ("O2;mlp_act_dtype=fp32", _flags("native", "bfloat16", mlp="float32")),
-        (" O0 ; weight_dtype = float16 ; ", _flags("float16", "float32", "torch_native", act="float32")),
+        (" O0 ; weight_dtype = float16 ; ", _flags("float16", "float32", act="float32")),
+        ("O0;attention=torch_native", _flags("float32", "float32", "torch_native")),
         # the spelling: short dtype names
         ("weight_dtype=int4;kv_dtype=bf16", _flags("int4", "bfloat16", act="int16")),
         ("O0;attention=cpu_paged;weight_dtype=int8", _flags("int8", "float32", act="float32")),
@@ -258,10 +259,11 @@ def test_knobs_adjust_the_level(opt, expected):
         ("attention=flash", ["'flash'", "torch_native, cpu_paged"]),
         ("compile=1;O2", ["'O2'", "name=value"]),
         ("compile=1;compile=0", ["'compile'", "more than once"]),
-        ("O0;kv_dtype=int8", ["kv_dtype=int8", "attention=cpu_paged", "attention=torch_native"]),
+        ("O0;attention=torch_native;kv_dtype=int8", ["kv_dtype=int8", "attention=cpu_paged", "attention=torch_native"]),
         # compile=1 compiles torch ops; the C++ paths have none in their layers
-        ("compile=1", ["compile=1", "attention=cpu_paged is lmserve's C++ kernel"]),
-        ("weight_dtype=int4;kv_dtype=bf16;compile=1", ["compile=1", "attention=cpu_paged"]),
+        ("compile=1", ["compile=1", "weight_dtype=native multiplies in lmserve's C++ matmul"]),
+        ("weight_dtype=int4;kv_dtype=bf16;compile=1", ["compile=1", "weight_dtype=int4"]),
+        ("O1;attention=cpu_paged;compile=1", ["compile=1", "attention=cpu_paged is lmserve's C++ kernel"]),
         ("O0;weight_dtype=bf16;compile=1", ["weight_dtype=bfloat16 multiplies in lmserve's C++ matmul",
                                             "float32 or float16"]),
         ("O0;attention=cpu_paged;compile=1", ["compile=1", "attention=cpu_paged", "'O0;compile=1'"]),

@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from conftest import churn_with_aborts, generate_tokens as run_one, run_concurrently as run_together, wait_idle
+from conftest import (churn_with_aborts, concurrently, generate_tokens as run_one,
+                      run_concurrently as run_together, wait_idle)
 from lmserve import AsyncEngine, Engine, SamplingParams
 from prompts import CHAT_PROMPTS
 
@@ -35,16 +36,26 @@ def test_batch_company_does_not_change_greedy_output(builtin_engine, chat_prompt
     assert builtin_engine.kv_pages_in_use() == 0
 
 
-@pytest.mark.parametrize("opt", ["O1", "O3", "O2;act_dtype=float32;kv_dtype=float32"])
-def test_every_fast_level_keeps_greedy_output_independent_of_batch_company(chat_prompts, opt):
-    """The default level (O2, int16 activations) is covered above; the other kernels' rows must
-    be batch-invariant too: bf16 weights (O1), int8 activations and an int8 KV cache (O3), the
-    bf16 kernel on 4-bit blocks with float32 activations and float32 KV in the C++ attention
-    kernel. (The torch path's compiled graphs: ``test_reference``, alone and together.)"""
+def scored(engine: Engine, prompt: list[int]) -> list[tuple]:
+    """Greedy tokens of ``prompt`` with their logprobs and the two best alternatives'."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    return [(lp.token_id, lp.logprob, lp.top) for out in engine.generate(prompt, params)
+            for d in out.deltas for lp in d.logprobs]
+
+
+@pytest.mark.parametrize("opt", ["O0", "O1", "O3", "O2;act_dtype=float32;kv_dtype=float32"])
+def test_every_level_computes_a_token_alike_whatever_its_batch_company(chat_prompts, opt):
+    """The default level (O2, int16 activations) is covered above for tokens; here every level's
+    logprobs too, bit for bit, so a last-bit difference shows before it flips a token: float32
+    weights, activations and KV in lmserve's float32 matmul and attention kernels (O0), bf16
+    weights (O1), int8 activations and an int8 KV cache (O3), the bf16 kernel on 4-bit blocks
+    with float32 activations and float32 KV. (The torch path's compiled graphs:
+    ``test_reference``, alone and together.)"""
     engine = Engine(opt=opt, max_num_sequence=8, prefill_chunk_size=64, verbose=False)
     try:
-        alone = [run_one(engine, p, GREEDY) for p in chat_prompts[:4]]
-        assert run_together(engine, chat_prompts[:4], GREEDY) == alone
+        alone = [scored(engine, p) for p in chat_prompts[:4]]
+        assert all(len(s) == 24 for s in alone)
+        assert concurrently(lambda p: scored(engine, p), chat_prompts[:4]) == alone
     finally:
         engine.shutdown()
 

@@ -42,7 +42,7 @@ def layer_outputs(path: str) -> None:
 
     from lmserve.layers.blocks import BlockWeight, from_gguf_blocks
     from lmserve.layers.fused import FusedOps
-    from lmserve.layers.linear import BlockLinear
+    from lmserve.layers.linear import BlockLinear, DenseLinear
 
     torch.manual_seed(0)
     out = {}
@@ -56,6 +56,9 @@ def layer_outputs(path: str) -> None:
                 layer = BlockLinear(blocks, None, act)
                 out[f"{name} {act} m={m}"] = layer(x if act != "bfloat16" else x.bfloat16())
             out[f"{name} reference m={m}"] = (x.double() @ blocks.dequantize().double().T).float()
+    dense = DenseLinear(torch.from_numpy(w), None, torch.float32)
+    for m in (1, 5, 37):
+        out[f"float32 m={m}"] = dense(torch.randn(m, 160))
     bf16 = BlockLinear(BlockWeight.quantize(torch.from_numpy(w), 16), None)
     out["bf16 weights"] = bf16(torch.randn(9, 160).bfloat16())
     ops = FusedOps.create()
@@ -116,7 +119,8 @@ def test_this_cpu_runs_more_than_one_isa():
 
 def test_every_isa_gives_the_best_isas_bits(outputs):
     """The int8 matmul's integer dot products, the bf16 pair products (FMAs where vdpbf16ps is
-    missing), the reductions in one order and the exp polynomial: the same bits on every ISA."""
+    missing), the float32 matmul's FMAs, the reductions in one order and the exp polynomial: the
+    same bits on every ISA."""
     best = outputs[ISAS[0]]
     for isa in ISAS[1:]:
         for name, value in best.items():
@@ -165,11 +169,11 @@ def test_the_plan_says_where_each_op_runs():
     for isa in ISAS:
         line = in_process_with(isa, "print_kernels()").strip()
         assert line.startswith(f"{isa} (this CPU runs {', '.join(RUNS)}; {ISA_ENV} chooses)")
-        assert line.endswith("; C++: int8-activation matmuls, block and bf16 matmuls, attention, norm and "
-                             "SiLU, recurrent decode, tensor-parallel all-reduce")
+        assert line.endswith("; C++: int8-activation matmuls, block and bf16 matmuls, float32 matmuls, "
+                             "attention, norm and SiLU, recurrent decode, tensor-parallel all-reduce")
 
 
-KERNELS = ["int8_gemm", "block_gemm", "fused_ops", "paged_attention", "ssm_decode", "shm_all_reduce", "call_list"]
+KERNELS = ["int8_gemm", "block_gemm", "dense_gemm", "fused_ops", "paged_attention", "ssm_decode", "shm_all_reduce", "call_list"]
 
 
 def test_every_kernel_is_built_for_every_isa():
@@ -184,7 +188,7 @@ def test_greedy_output_is_batch_invariant_on_the_other_isas():
     """The hard rule at every level on every ISA but the best (whose run is the rest of the
     suite): greedy tokens alone equal those in batch company, and the same tokens as on the best
     ISA (the kernels give the same bits)."""
-    levels = "O1,O2,O3"
+    levels = "O0,O1,O2,O3"
     best = json.loads(in_process_with(ISAS[0], f"greedy_alone_and_together({levels!r})"))
     for isa in ISAS[1:]:
         result = json.loads(in_process_with(isa, f"greedy_alone_and_together({levels!r})"))
@@ -194,7 +198,7 @@ def test_greedy_output_is_batch_invariant_on_the_other_isas():
             assert r["attention"] == "CpuPagedBackend"
 
 
-PORTABLE_KERNELS = ["int8_gemm", "block_gemm", "fused_ops"]
+PORTABLE_KERNELS = ["int8_gemm", "block_gemm", "dense_gemm", "fused_ops"]
 # Every build of tests/native/isa_harness.cpp: (name, compiler, flags, how to run it). The x86
 # ones take the kernels' own flags; the Arm builds are cross-compiled with Debian's aarch64
 # toolchain and run under qemu-user (`-cpu max` has the i8mm extension the second one uses).
@@ -235,7 +239,8 @@ def test_every_build_matches_a_scalar_reference_and_each_others_bits(tmp_path):
     """The portable kernels built for AMX, AVX-512, AVX2 and Arm64 NEON (with and without i8mm,
     under qemu-user): each within its stated tolerance of a plain scalar reference written from the
     layouts (int8 activations: 3e-2 of the output scale for one digit, 3e-4 for two; bf16
-    matmul: 1e-5 with bf16 activations, 2e-4 with float32 ones; norm 1e-5; SiLU 1e-6), and all
+    matmul: 1e-5 with bf16 activations, 2e-4 with float32 ones; float32 matmul 1e-6; norm 1e-5;
+    SiLU 1e-6), and all
     with the same bits. The AMX build multiplies on tiles where the CPU has them, and runs on
     any AVX-512 CPU: without tiles it takes its vector path."""
     runs = run_harness("isa_harness", PORTABLE_KERNELS, tmp_path)

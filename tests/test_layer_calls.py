@@ -8,12 +8,13 @@ import torch
 from lmserve import Engine
 from lmserve.attention.base import AttentionInput, AttentionShape
 from lmserve.attention.cpu_paged import why_unsupported
-from lmserve.layers.linear import BlockLinear, int8_kernel_unavailable
+from lmserve.layers.linear import BlockLinear, DenseLinear, dense_kernel_unavailable, int8_kernel_unavailable
 from lmserve.models.llama import ForwardContext
 from tiny_models import make_gguf_llama, make_hf_llama
 
 needs_kernels = pytest.mark.skipif(
-    why_unsupported(AttentionShape(4, 2, 16), torch.bfloat16) is not None or int8_kernel_unavailable() is not None,
+    why_unsupported(AttentionShape(4, 2, 16), torch.bfloat16) is not None or int8_kernel_unavailable() is not None
+    or dense_kernel_unavailable() is not None,
     reason="C++ kernels unavailable on this machine")
 
 
@@ -55,7 +56,7 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("opt", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("opt", ["O0", "O1", "O2", "O3"])
 @pytest.mark.parametrize("source", ["gguf Q4_1", "safetensors"])
 @pytest.mark.parametrize("window", [{}, {"sliding_window_size": 16, "attention_sink_size": 3}])
 def test_layer_calls_match_the_python_loop_bit_for_bit(models, source, opt, window):
@@ -70,10 +71,14 @@ def test_layer_calls_match_the_python_loop_bit_for_bit(models, source, opt, wind
         with_calls, loop = hidden_both_ways(engine, [20, 1], [37, 5])
         assert torch.equal(with_calls, loop)
         assert with_calls.isfinite().all() and with_calls.abs().sum() > 0
-        # Both matmul kernels are covered: int8 digits for GGUF blocks at O2/O3, else bf16.
-        digits = {"O1": 0, "O2": 2, "O3": 1}[opt] if source.startswith("gguf") else 0
+        # Every matmul kernel is covered: int8 digits for GGUF blocks at O2/O3, bf16 blocks at
+        # O1 and for the safetensors' weights at O2/O3, float32 dense weights at O0.
         linears = [m for layer in engine._core.runner.model.layers for m in (layer.qkv, layer.o, layer.down)]
-        assert all(isinstance(m, BlockLinear) and m.digits == digits for m in linears)
+        if opt == "O0":
+            assert all(isinstance(m, DenseLinear) and m.weight.dtype == torch.float32 for m in linears)
+        else:
+            digits = {"O1": 0, "O2": 2, "O3": 1}[opt] if source.startswith("gguf") else 0
+            assert all(isinstance(m, BlockLinear) and m.digits == digits for m in linears)
     finally:
         engine.shutdown()
 
@@ -95,4 +100,5 @@ def test_layers_with_biases_run_one_by_one(tmp_path):
 
 
 def test_no_layer_calls_on_the_torch_path(tiny_model_dir):
-    assert_layers_run_one_by_one(tiny_model_dir, "O0")
+    assert_layers_run_one_by_one(tiny_model_dir, "O0;attention=torch_native")
+    assert_layers_run_one_by_one(tiny_model_dir, "O0;weight_dtype=float16")  # torch's matmul

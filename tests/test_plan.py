@@ -134,8 +134,9 @@ def test_server_mode_fills_the_budget_with_kv():
     assert m.budget == device // 2 and m.margin == RUNTIME_MARGIN_BYTES
     assert plan.max_total_sequence_length == 100_000  # whole 16-token pages only
     assert m.workspace == workspace_bytes(args, SERVER_BATCH, SERVER_CHUNK, 2048, m.kv_per_token, False)
-    # the torch attention path (O0) also budgets its padded KV gather
-    o0 = make_plan(EngineConfig(mode="server", opt="O0"), args, device_memory=device).memory
+    # the torch attention path also budgets its padded KV gather
+    o0 = make_plan(EngineConfig(mode="server", opt="O0;attention=torch_native"), args,
+                   device_memory=device).memory
     assert o0.workspace == workspace_bytes(args, SERVER_BATCH, SERVER_CHUNK, 2048, o0.kv_per_token, True)
     assert o0.workspace - workspace_bytes(args, SERVER_BATCH, SERVER_CHUNK, 2048, o0.kv_per_token, False) \
         == 3 * SERVER_BATCH * 2048 * o0.kv_per_token // 2
@@ -216,8 +217,8 @@ def test_a_draft_model_shares_the_budget_and_its_context_bounds_the_sequence():
     config = EngineConfig(mode="server", speculative_mode="small_draft", additional_models=["d"],
                           opt="O0;draft_opt=O3", max_single_sequence_length=1024)
     alone = make_plan(EngineConfig(mode="server", opt="O0", max_single_sequence_length=1024),
-                      target, device_memory=int(1.05 * GiB))
-    plan = make_plan(config, target, device_memory=int(1.05 * GiB), draft_args=draft)
+                      target, device_memory=int(0.95 * GiB))  # KV-bound: fewer pages than the cap
+    plan = make_plan(config, target, device_memory=int(0.95 * GiB), draft_args=draft)
     m = plan.memory
     draft_weights = weight_bytes(draft, "native", "int8")
     assert m.weights == alone.memory.weights + draft_weights

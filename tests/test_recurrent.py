@@ -40,7 +40,8 @@ def hf_models() -> dict[str, torch.nn.Module]:
 
 @pytest.fixture(scope="module")
 def engines(model_dirs):
-    engines = {arch: Engine(model=d, opt="O0", max_num_sequence=4, prefill_chunk_size=CHUNK,
+    """The torch path (O0 with torch attention: layers/ssm.py's decode), the reference."""
+    engines = {arch: Engine(model=d, opt="O0;attention=torch_native", max_num_sequence=4, prefill_chunk_size=CHUNK,
                             verbose=False) for arch, d in model_dirs.items()}
     yield engines
     for engine in engines.values():
@@ -93,11 +94,11 @@ def test_batch_company_staggered_arrivals_and_n_choices(arch, engines, hf_models
 @pytest.mark.parametrize("arch", ARCHS)
 @torch.inference_mode()
 def test_cpp_decode_kernels_match_the_torch_path(arch, model_dirs, engines):
-    """The C++ path (attention=cpu_paged) updates decode states in place with the kernels: the
+    """The C++ path (O0's, attention=cpu_paged) updates decode states in place with the kernels: the
     same tokens and log-probs as the torch reference, in batch company."""
     prompts = [list(range(7000 + 50 * i, 7000 + 50 * i + n)) for i, n in enumerate((9, 33, 20))]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
-    engine = Engine(model=model_dirs[arch], opt="O0;attention=cpu_paged", max_num_sequence=4,
+    engine = Engine(model=model_dirs[arch], opt="O0", max_num_sequence=4,
                     prefill_chunk_size=CHUNK, verbose=False)
     try:
         assert engine._core.runner.ssm_kernels is not None

@@ -129,6 +129,10 @@ class EngineCore:
         Raises ``InvalidRequestError`` (a ``ValueError``), so that a server can tell the
         caller's fault from a failure of the engine.
         """
+        if isinstance(prompt_token_ids, (str, bytes)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+            raise InvalidRequestError("the prompt must be a list of token ids (ints); encode text "
+                                      "with the engine's tokenizer, or use chat/completions", "prompt")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: at least one token is needed", "prompt")
         limit = self.plan.max_single_sequence_length

@@ -222,14 +222,13 @@ def why_unavailable(name: str) -> Optional[str]:
 
 # The ops each kernel computes, for ``describe_kernels``.
 KERNEL_OPS = {"int8_gemm": "int8-activation matmuls", "block_gemm": "block and bf16 matmuls",
-              "paged_attention": "attention", "fused_ops": "norm and SiLU",
+              "dense_gemm": "float32 matmuls", "paged_attention": "attention", "fused_ops": "norm and SiLU",
               "ssm_decode": "recurrent decode", "shm_all_reduce": "tensor-parallel all-reduce"}
 
 
 def describe_kernels() -> str:
     """Where each op runs on this machine, for the start-up log and ``lmserve plan``: the
-    selected instruction set, the C++ ops and the torch ones with why (a level that keeps
-    dense float weights, O0, runs its matmuls in torch whatever this says)."""
+    selected instruction set, the C++ ops and the torch ones with why."""
     if _prebuilt is not None:
         return f"C++ from the model library ({_prebuilt})"
     isa = selected_isa()

@@ -2,10 +2,9 @@
 blocks of 4-bit/8-bit codes multiplied by lmserve's C++ kernels (kernels/block_gemm.cpp with
 bf16 dot products, kernels/int8_gemm.cpp with int8 activations and VNNI integer dot products).
 
-The block kernels compute every output row the same way whatever the number of rows in the
-call, so a token's result does not depend on its batch company. Dense float32 weights go
-through oneDNN (``dense_linear``), which does so for calls of two or more rows (one row alone
-takes its own path, last bits apart).
+Every kernel computes each output row the same way whatever the number of rows in the call, so
+a token's result does not depend on its batch company: the block kernels, and for dense float32
+weights kernels/dense_gemm.cpp (``dense_linear``; oneDNN where it cannot be built).
 """
 
 from __future__ import annotations
@@ -45,6 +44,11 @@ def _library() -> Optional[ctypes.CDLL]:
 
 
 @functools.cache
+def _dense_library() -> Optional[ctypes.CDLL]:
+    return load_kernel_library("dense_gemm", {"lm_dense_gemm": [_P, _P, _P] + [_I] * 4})
+
+
+@functools.cache
 def _int8_library() -> Optional[ctypes.CDLL]:
     return load_kernel_library("int8_gemm", {"lm_int8_gemm": [_P, _I, _P, _P, _P] + [_I] * 8})
 
@@ -61,6 +65,12 @@ def _why_not_built(library, name: str) -> Optional[str]:
 def block_kernel_unavailable() -> Optional[str]:
     """Why block weights cannot be used on this machine, or None."""
     return _why_not_built(_library, "block_gemm")
+
+
+@functools.cache
+def dense_kernel_unavailable() -> Optional[str]:
+    """Why float32 matmuls run in oneDNN rather than lmserve's kernel here, or None."""
+    return _why_not_built(_dense_library, "dense_gemm")
 
 
 @functools.cache
@@ -83,17 +93,29 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _on_dense_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether kernels/dense_gemm.cpp multiplies ``x`` (float32) by this ``weight``."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and x.dim() == 2
+            and weight.is_contiguous() and dense_kernel_unavailable() is None)
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with ``x`` cast to the weight's dtype; float32 on a CPU
-    through oneDNN.
+    through lmserve's kernel (kernels/dense_gemm.cpp), else oneDNN.
 
-    torch's float32 ``F.linear`` calls MKL's sgemm, which on AMD Zen 4 ran a 7-row matmul with
-    the 49152-row head 4.6x slower than oneDNN (35 ms against 7.6: a verify step of speculative
-    decoding), and a one-row one 2.1x slower (10 ms against 4.8); it also gives the rows past
-    the last multiple of 8 other bits than the rest. oneDNN computes every row of a matmul of two or more rows alike
-    (a single row takes its own path, last bits apart, as in MKL).
+    The kernel computes every row alike whatever the number of rows (oneDNN gives a row alone
+    other last bits than the same row among others, and MKL's sgemm, torch's ``F.linear``,
+    differs past the last multiple of 8 rows), and streams a decode step's weights faster:
+    on AMD Zen 4 one row by the 49152-row head took 3.6 ms against oneDNN's 3.9 (MKL's 10),
+    2-8 rows 1.1-2.6x less than oneDNN (``benchmarks/dense_gemm.py``).
     """
     x = x.to(weight.dtype)
+    if _on_dense_kernel(x, weight):
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+        _dense_library().lm_dense_gemm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
+                                       weight.shape[0], weight.shape[1], torch.get_num_threads())
+        return out if bias is None else out + bias
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or x.dim() != 2 or not _onednn_available():
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -106,8 +128,29 @@ class DenseLinear:
         self.weight = aligned(weight.to(dtype))
         self.bias = None if bias is None else bias.to(dtype)
 
+    @property
+    def n(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.weight.shape[1]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias)
+
+    @property
+    def packable(self) -> bool:
+        """Whether ``packed_call`` can run this layer: float32 on lmserve's kernel, no bias."""
+        return self.bias is None and _on_dense_kernel(self.weight, self.weight)
+
+    def packed_call(self, x: Arg, dtype: torch.dtype, out: Arg, rows: Arg) -> list[Arg]:
+        """This matmul as a call for a ``CallList`` (see ``BlockLinear.packed_call``); only where
+        ``packable``, on float32 ``x``."""
+        assert dtype == torch.float32 and self.packable
+        lib = _dense_library()
+        return [address(lib.lm_dense_gemm_packed), x, self.weight.data_ptr(), out, rows, self.n, self.k,
+                THREADS]
 
 
 class BlockLinear:
@@ -145,6 +188,11 @@ class BlockLinear:
         kernel = self.lib.lm_int8_gemm if self.digits else self.lib.lm_block_gemm
         kernel(*self._args(x.data_ptr(), x.dtype, out.data_ptr(), m, torch.get_num_threads()))
         return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    @property
+    def packable(self) -> bool:
+        """Whether ``packed_call`` can run this layer (it adds no bias)."""
+        return self.bias is None
 
     def packed_call(self, x: Arg, dtype: torch.dtype, out: Arg, rows: Arg) -> list[Arg]:
         """This matmul as a call for a ``CallList``: ``x`` (rows, K) of ``dtype`` (float32 or

@@ -23,7 +23,7 @@ from lmserve.layers.blocks import BlockWeight
 from lmserve.layers.call_list import THREADS, Arg, CallList, Slot, call_lists_available
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.fused import FusedOps, TorchOps
-from lmserve.layers.linear import ACT_TENSOR_DTYPES, BlockLinear, Weight, make_linear
+from lmserve.layers.linear import ACT_TENSOR_DTYPES, Weight, make_linear
 from lmserve.layers.rotary import RotaryEmbedding, partial_rotary_order
 from lmserve.layers.ssm import StateMeta
 from lmserve.layers.ssm_kernels import SSMKernels
@@ -223,7 +223,7 @@ class LlamaModel:
                     kv: KVCache, windowed: tuple[bool, ...] = (),
                     sinks: bool = False, all_reduce=None) -> Optional[LayerCalls]:
         """The layers as one C++ call a step, or None where a part of a layer is not a C++ kernel
-        (the torch paths, dense weights, biases, an all-reduce over gloo) or the call-list
+        (the torch paths, dense weights other than float32 on a CPU, biases, an all-reduce over gloo) or the call-list
         runner did not build. ``windowed``: per layer, it attends within the step's sliding
         window (which has ``sinks``); ``all_reduce``: tensor parallelism's, or None."""
         if any(isinstance(layer, MixerLayer) for layer in self.layers):
@@ -232,7 +232,7 @@ class LlamaModel:
             return None
         linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if not (isinstance(ops, FusedOps) and isinstance(backend, CpuPagedBackend) and call_lists_available()
-                and all(isinstance(m, BlockLinear) and m.bias is None for m in linears)):
+                and all(m.packable for m in linears)):
             return None
         calls = [call for i, layer in enumerate(self.layers)
                  for call in layer.packed_calls(backend, ops, kv.k[i], kv.v[i], first=i == 0,

@@ -1,4 +1,4 @@
-// Runs lmserve's portable kernels (int8_gemm, block_gemm, fused_ops) on fixed pseudo-random
+// Runs lmserve's portable kernels (int8_gemm, block_gemm, dense_gemm, fused_ops) on fixed pseudo-random
 // inputs, checks each against a plain scalar reference written from the layouts their sources
 // document, and writes every output's bytes to stdout, so that builds for different instruction
 // sets (AMX, AVX-512, AVX2, Arm64 NEON under qemu-user) can be compared bit for bit
@@ -16,6 +16,7 @@ void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* co
 int lm_int8_gemm_tiles();
 void lm_block_gemm(const void* a, int a_f32, const uint8_t* codes, const float* consts, void* c,
                    int out_bf16, int M, int N, int K, int bits, int threads);
+void lm_dense_gemm(const float* a, const float* w, float* c, int M, int N, int K, int threads);
 void lm_add_rms_norm(float* x, const void* delta, int delta_bf16, const float* weight, float eps,
                      void* out, int out_bf16, int T, int D, int threads);
 void lm_silu_mul(const void* gate_up, void* out, int bf16, int T, int F, int threads);
@@ -164,6 +165,31 @@ void block_cases() {
       }
 }
 
+// Float32 weights as they are: within float32 rounding of the float64 product; every row the
+// same bits alone (K = 100: six vectors of 16 and a rest of 4).
+void dense_cases() {
+  const int N = 22, K = 100;
+  for (int M : {1, 5, 9}) {
+    const std::vector<float> w = random_floats((size_t)N * K, 1.0f), a = random_floats((size_t)M * K, 1.0f);
+    std::vector<float> c((size_t)M * N);
+    lm_dense_gemm(a.data(), w.data(), c.data(), M, N, K, 2);
+    std::vector<double> ref((size_t)M * N);
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n)
+        for (int k = 0; k < K; ++k) ref[m * N + n] += (double)a[m * K + k] * w[n * K + k];
+    check("dense_gemm", c, ref, 1e-6);
+    for (int m = 0; m < M; ++m) {
+      std::vector<float> alone(N);
+      lm_dense_gemm(a.data() + (size_t)m * K, w.data(), alone.data(), 1, N, K, 2);
+      if (memcmp(alone.data(), c.data() + (size_t)m * N, N * 4) != 0) {
+        fprintf(stderr, "dense_gemm: row %d of %d differs alone\n", m, M);
+        ++failures;
+      }
+    }
+    emit(c.data(), c.size() * 4);
+  }
+}
+
 void fused_cases() {
   const int T = 3, D = 80, F = 72;
   std::vector<float> x = random_floats((size_t)T * D, 2.0f);
@@ -203,6 +229,7 @@ int main() {
   fprintf(stderr, "int8_gemm tiles: %s\n", lm_int8_gemm_tiles() ? "on" : "off");
   int8_cases();
   block_cases();
+  dense_cases();
   fused_cases();
   return failures ? 1 : 0;
 }

@@ -1,0 +1,114 @@
+// lmserve-isa: avx512 avx2 neon
+// Float32 matrix multiply with dense float32 weights, the full-precision level's (O0) matmul:
+// C (M, N) = A (M, K) @ W (N, K)^T, W row-major as the model holds it (no repacking, so a model
+// library's mapped weights serve as they are).
+//
+// Why not oneDNN or MKL: they pick their arithmetic by the shape, and a row multiplied alone (a
+// decode step of one sequence) gets other last bits than the same row among others (a batch, a
+// verify step of speculative decoding). Here every output element C[m, n] is 16 float32 lanes
+// accumulated over K in steps of 16 (lane j: elements j, j+16, ...), with fused multiply-adds in
+// K's order, then summed by `hsum`; whatever M is and whichever tile computes it, so a token's
+// row is bit-identical alone or in any batch.
+//
+// One row streams W once at the memory's speed (decode); more rows reuse each strip of weights
+// from the L1 cache across tiles of 4 rows (verify steps, prefill).
+#include <omp.h>
+
+#include "simd.h"
+
+#include <algorithm>
+
+namespace {
+
+using namespace lm;
+
+struct Args {
+  const float* a;
+  const float* w;
+  float* c;
+  int M, N, K;
+};
+
+// C[m0 : m0+MR, n0 : n0+NR].
+template <int MR, int NR>
+void tile(const Args& p, int m0, int n0) {
+  F16 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = fzero();
+  const float* w = p.w + (int64_t)n0 * p.K;
+  const float* a = p.a + (int64_t)m0 * p.K;
+  const int whole = p.K / 16 * 16;
+  for (int k = 0; k < whole; k += 16) {
+    F16 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = fload(w + (int64_t)r * p.K + k);
+    for (int i = 0; i < MR; ++i) {
+      const F16 x = fload(a + (int64_t)i * p.K + k);
+      for (int r = 0; r < NR; ++r) acc[i][r] = fmadd(x, wv[r], acc[i][r]);
+    }
+  }
+  if (whole < p.K) {  // the last K % 16 elements in the first lanes, zeros in the others
+    const int rest = p.K - whole;
+    F16 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = fload_first(w + (int64_t)r * p.K + whole, rest);
+    for (int i = 0; i < MR; ++i) {
+      const F16 x = fload_first(a + (int64_t)i * p.K + whole, rest);
+      for (int r = 0; r < NR; ++r) acc[i][r] = fmadd(x, wv[r], acc[i][r]);
+    }
+  }
+  float* c = p.c + (int64_t)m0 * p.N + n0;
+  if constexpr (MR * NR == 16) {
+    alignas(64) float sums[16];
+    fstore(sums, hsum16x16(&acc[0][0]));
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r) c[(int64_t)i * p.N + r] = sums[i * NR + r];
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < NR; ++r) c[(int64_t)i * p.N + r] = hsum(acc[i][r]);
+  }
+}
+
+constexpr int kMR = 4, kNR = 4;
+constexpr int kMC = 64;  // rows of A kept in cache while every weight strip passes over them
+
+// Rows [m0, m_end) of the NR columns at n0: tiles of kMR rows, then one of the rest.
+template <int NR>
+void strip(const Args& p, int m0, int m_end, int n0) {
+  for (; m0 + kMR <= m_end; m0 += kMR) tile<kMR, NR>(p, m0, n0);
+  switch (m_end - m0) {
+    case 3: tile<3, NR>(p, m0, n0); break;
+    case 2: tile<2, NR>(p, m0, n0); break;
+    case 1: tile<1, NR>(p, m0, n0); break;
+    default: break;
+  }
+}
+
+void gemm(const Args& p) {
+  const int strips = (p.N + kNR - 1) / kNR;
+  const int chunks = (p.M + kMC - 1) / kMC;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int c = 0; c < chunks; ++c)
+    for (int s = 0; s < strips; ++s) {
+      const int n0 = s * kNR, m0 = c * kMC, m_end = std::min(p.M, m0 + kMC);
+      if (n0 + kNR <= p.N)
+        strip<kNR>(p, m0, m_end, n0);
+      else
+        for (int n = n0; n < p.N; ++n) strip<1>(p, m0, m_end, n);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// C (M, N) = A (M, K) @ W (N, K)^T, all float32 and contiguous.
+void lm_dense_gemm(const float* a, const float* w, float* c, int M, int N, int K, int threads) {
+  omp_set_num_threads(threads);
+  gemm(Args{a, w, c, M, N, K});
+}
+
+// The same with its arguments as 64-bit words, in order, for call lists (call_list.cpp).
+void lm_dense_gemm_packed(const int64_t* a) {
+  lm_dense_gemm((const float*)a[0], (const float*)a[1], (float*)a[2], (int)a[3], (int)a[4], (int)a[5],
+                (int)a[6]);
+}
+}
