@@ -29,6 +29,15 @@ struct Args {
   int M, N, K;
 };
 
+// `v`, kept in a register: GCC otherwise folds the loads of one operand into the FMAs, loading
+// it once per use (20 loads to 16 FMAs a step of a 4x4 tile, where 8 do: load-bound).
+inline F16 in_register(F16 v) {
+#if LM_AVX512
+  asm("" : "+v"(v));
+#endif
+  return v;
+}
+
 // C[m0 : m0+MR, n0 : n0+NR].
 template <int MR, int NR>
 void tile(const Args& p, int m0, int n0) {
@@ -40,9 +49,9 @@ void tile(const Args& p, int m0, int n0) {
   const int whole = p.K / 16 * 16;
   for (int k = 0; k < whole; k += 16) {
     F16 wv[NR];
-    for (int r = 0; r < NR; ++r) wv[r] = fload(w + (int64_t)r * p.K + k);
+    for (int r = 0; r < NR; ++r) wv[r] = in_register(fload(w + (int64_t)r * p.K + k));
     for (int i = 0; i < MR; ++i) {
-      const F16 x = fload(a + (int64_t)i * p.K + k);
+      const F16 x = in_register(fload(a + (int64_t)i * p.K + k));
       for (int r = 0; r < NR; ++r) acc[i][r] = fmadd(x, wv[r], acc[i][r]);
     }
   }
