@@ -64,7 +64,7 @@ def main() -> None:
             ref = x.double() @ dense.double().T
             runs = {f"lmserve {a}": (lambda a=a: layers[a](x.bfloat16() if a == "bfloat16" else x))
                     for a in ACTS}
-            runs["torch float32"] = lambda: dense_linear(x, dense, None)  # O0's (oneDNN)
+            runs["lmserve float32"] = lambda: dense_linear(x, dense, None)  # O0's (dense_gemm.cpp)
             runs["torch bfloat16"] = lambda: F.linear(x.bfloat16(), dense16)
             cells = []
             for name in names:

@@ -152,12 +152,14 @@ def parse_opt(opt: Optional[str]) -> OptFlags:
             valid = ", ".join(choices)
             raise ValueError(f"opt: invalid value {value!r} for knob {name!r}; valid: {valid}")
         updates[name] = choices[value.lower()]
-    if updates.get("compile") and "attention" not in updates:
+    compiled_attention = bool(updates.get("compile")) and "attention" not in updates
+    if compiled_attention:
         updates["attention"] = "torch_native"  # what compile=1 compiles (O0's is the C++ kernel)
     flags = dataclasses.replace(OPT_LEVELS[level], **updates)
     if flags.kv_dtype == "int8" and flags.attention != "cpu_paged":
+        why = " (compile=1 selects it)" if compiled_attention else ""
         raise ValueError(f"opt: kv_dtype=int8 needs attention=cpu_paged (the C++ kernel reads it), "
-                         f"but {opt!r} has attention={flags.attention}")
+                         f"but {opt!r} has attention={flags.attention}{why}")
     if flags.compile and (flags.attention != "torch_native" or flags.weight_dtype not in _DENSE_WEIGHTS):
         why = (f"attention={flags.attention} is lmserve's C++ kernel" if flags.attention != "torch_native"
                else f"weight_dtype={flags.weight_dtype} multiplies in lmserve's C++ matmul kernel")

@@ -16,10 +16,10 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from lmserve.attention import resolve_kv_dtype
+from lmserve.attention import resolve_attention, resolve_kv_dtype
 from lmserve.attention.base import AttentionShape
 from lmserve.attention.window import AttentionWindow
-from lmserve.cache.kv import kv_bytes_per_head
+from lmserve.cache.kv import KV_DTYPES, kv_bytes_per_head
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.layers.linear import FLOAT_DTYPES
 from lmserve.kernels.build import describe_kernels
@@ -213,7 +213,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         seen = 0 if window is None else min(single, window.sinks + window.size - 1 + chunk)
         # The draft's passes and the target's run one after the other.
         return max(workspace_bytes(a, batch, chunk, seen if bounded else single,
-                                   _kv_per_token(a, d), o.attention == "torch_native", rows, seen)
+                                   _kv_per_token(a, d), _gathers_kv(a, o, d), rows, seen)
                    for (a, o), d in zip(models, kv_dtypes))
 
     recurrent_only = not args.attention_layers  # no KV at all: every layer is recurrent
@@ -397,6 +397,15 @@ def weight_bytes(args: ModelArgs, weight_format: str, act_dtype: str = "bfloat16
         matmuls += len(args.ssm_layers) * (proj + s.inner * d)
         norms += len(args.ssm_layers) * small
     return int(matmuls * per_weight + table + head + norms * 4)
+
+
+def _gathers_kv(args: ModelArgs, opt: OptFlags, kv_dtype: str) -> bool:
+    """Whether this model's attention runs on the torch path here, whose decode gathers a padded
+    float32 copy of the KV: asked for, or where the C++ kernel cannot serve it (as the engine)."""
+    if not args.attention_layers:
+        return False
+    shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
+    return resolve_attention(opt.attention, shape, KV_DTYPES[kv_dtype], log=False) == "torch_native"
 
 
 def workspace_bytes(args: ModelArgs, batch: int, chunk: int, single: int, kv_per_token: int,

@@ -230,3 +230,22 @@ def test_float32_dense_rows_do_not_depend_on_the_other_rows():
             assert torch.equal(layer(x[m - 1 : m])[0], full[m - 1]), (k, m)
         ref = (x.double() @ weight.double().T + bias.double()).float()
         torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"input of shape \(3, 16\) for a linear layer taking \(M, 32\)"):
+        DenseLinear(torch.randn(8, 32), None, torch.float32)(torch.randn(3, 16))
+
+
+def test_float32_dense_rows_without_the_kernel_go_through_onednn(monkeypatch):
+    """Where the kernel cannot be built, oneDNN: every row of a call of 2+ rows is the same
+    bits whatever the row count; one row alone may differ in its last bits."""
+    import lmserve.layers.linear as linear
+
+    monkeypatch.setattr(linear, "dense_kernel_unavailable", lambda: "no compiler (simulated)")
+    weight, bias, x = torch.randn(200, 96), torch.randn(200), torch.randn(70, 96)
+    layer = DenseLinear(weight, bias, torch.float32)
+    full = layer(x)
+    for m in [2, 3, 7, 9, 17, 69]:
+        assert torch.equal(layer(x[:m]), full[:m]), m
+    ref = (x.double() @ weight.double().T + bias.double()).float()
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x[:1]), ref[:1], rtol=1e-5, atol=1e-5)
+    assert not layer.packable(torch.float32)

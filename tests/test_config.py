@@ -260,6 +260,7 @@ def test_knobs_adjust_the_level(opt, expected):
         ("compile=1;O2", ["'O2'", "name=value"]),
         ("compile=1;compile=0", ["'compile'", "more than once"]),
         ("O0;attention=torch_native;kv_dtype=int8", ["kv_dtype=int8", "attention=cpu_paged", "attention=torch_native"]),
+        ("O0;kv_dtype=int8;compile=1", ["kv_dtype=int8", "attention=torch_native (compile=1 selects it)"]),
         # compile=1 compiles torch ops; the C++ paths have none in their layers
         ("compile=1", ["compile=1", "weight_dtype=native multiplies in lmserve's C++ matmul"]),
         ("weight_dtype=int4;kv_dtype=bf16;compile=1", ["compile=1", "weight_dtype=int4"]),

@@ -102,3 +102,6 @@ def test_layers_with_biases_run_one_by_one(tmp_path):
 def test_no_layer_calls_on_the_torch_path(tiny_model_dir):
     assert_layers_run_one_by_one(tiny_model_dir, "O0;attention=torch_native")
     assert_layers_run_one_by_one(tiny_model_dir, "O0;weight_dtype=float16")  # torch's matmul
+    # float32 weights on bf16 activations: the layers multiply in torch
+    assert_layers_run_one_by_one(tiny_model_dir, "O1;weight_dtype=float32")
+    assert_layers_run_one_by_one(tiny_model_dir, "O0;mlp_act_dtype=bf16")

@@ -301,3 +301,15 @@ def test_a_window_must_exceed_the_deepest_draft():
                                          r"\(8 tokens\)"):
         make_plan(EngineConfig(sliding_window_size=8, speculative_mode="ngram", spec_draft_length=8),
                   _args(2048))
+
+
+def test_the_plan_budgets_torch_attention_where_the_kernel_cannot_serve_the_model():
+    """O0 asks for the C++ attention, which reads each query's own pages; where it cannot serve
+    the model (head_dim 24 is not a multiple of 16) the engine attends on the torch path, and
+    the plan counts that path's padded float32 KV gather, as it does when asked for."""
+    def workspace(args, opt):
+        return make_plan(EngineConfig(mode="server", opt=opt), args, device_memory=16 * GiB).memory.workspace
+
+    served, odd = _args(2048), dataclasses.replace(_args(2048), head_dim=24)
+    assert workspace(served, "O0") < workspace(served, "O0;attention=torch_native")
+    assert workspace(odd, "O0") == workspace(odd, "O0;attention=torch_native")

@@ -12,12 +12,15 @@ from lmserve.cache.kv import INT8_PAGE_MULTIPLE
 logger = logging.getLogger("lmserve")
 
 
-def resolve_attention(name: str, shape: AttentionShape, kv_dtype: torch.dtype) -> str:
-    """``name``, or torch_native (logged) when the C++ kernel cannot serve this model here."""
+def resolve_attention(name: str, shape: AttentionShape, kv_dtype: torch.dtype,
+                      log: bool = True) -> str:
+    """``name``, or torch_native (logged, with ``log``) when the C++ kernel cannot serve this
+    model here."""
     if name == "cpu_paged":
         reason = cpu_paged.why_unsupported(shape, kv_dtype)
         if reason:
-            logger.warning("attention=cpu_paged is unavailable (%s); using torch_native", reason)
+            if log:
+                logger.warning("attention=cpu_paged is unavailable (%s); using torch_native", reason)
             return "torch_native"
     return name
 

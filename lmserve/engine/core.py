@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import random
 import time
 from dataclasses import dataclass
@@ -129,8 +130,8 @@ class EngineCore:
         Raises ``InvalidRequestError`` (a ``ValueError``), so that a server can tell the
         caller's fault from a failure of the engine.
         """
-        if isinstance(prompt_token_ids, (str, bytes)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt_token_ids):
+        if not isinstance(prompt_token_ids, (list, tuple)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids):
             raise InvalidRequestError("the prompt must be a list of token ids (ints); encode text "
                                       "with the engine's tokenizer, or use chat/completions", "prompt")
         if not prompt_token_ids:

@@ -228,7 +228,9 @@ KERNEL_OPS = {"int8_gemm": "int8-activation matmuls", "block_gemm": "block and b
 
 def describe_kernels() -> str:
     """Where each op runs on this machine, for the start-up log and ``lmserve plan``: the
-    selected instruction set, the C++ ops and the torch ones with why."""
+    selected instruction set, the C++ ops and the torch ones with why (what the machine can
+    run: knobs that choose torch, ``attention=torch_native`` or float16 weights, run those ops
+    in torch whatever this says)."""
     if _prebuilt is not None:
         return f"C++ from the model library ({_prebuilt})"
     isa = selected_isa()

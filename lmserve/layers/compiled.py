@@ -9,7 +9,7 @@ tokens is left dynamic after the first shapes (torch.compile's default), so step
 sizes reuse them. Inductor fuses the element-wise ops; the matmuls stay torch's.
 
 Paths with lmserve's C++ kernels (``attention=cpu_paged``, block weights) are refused by
-``parse_opt``: torch.compile cannot see into them, and on O1-O3 the layers run as one C++ call
+``parse_opt``: torch.compile cannot see into them, and on O0-O3 the layers run as one C++ call
 list already.
 """
 
@@ -24,8 +24,8 @@ from lmserve.layers.fused import TorchOps
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    # torch's F.linear, not DenseLinear's oneDNN call: Inductor lowers that op only for weights
-    # frozen into the graph, and these graphs take the weights as arguments.
+    # torch's F.linear (MKL), not DenseLinear's C++ kernel, which torch.compile cannot see into.
+    # So the compiled graphs' matmuls are not batch-invariant in their last bits.
     return F.linear(x.to(weight.dtype), weight, bias)
 
 

@@ -105,12 +105,15 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
     The kernel computes every row alike whatever the number of rows (oneDNN gives a row alone
     other last bits than the same row among others, and MKL's sgemm, torch's ``F.linear``,
-    differs past the last multiple of 8 rows), and streams a decode step's weights faster:
-    on AMD Zen 4 one row by the 49152-row head took 3.6 ms against oneDNN's 3.9 (MKL's 10),
-    2-8 rows 1.1-2.6x less than oneDNN (``benchmarks/dense_gemm.py``).
+    differs past the last multiple of 8 rows). On AMD Zen 4 it took 1.1-2.8x less time than
+    oneDNN for 1-64 rows of a layer's matrices, and about as long for one row of the
+    49152-row head (``benchmarks/dense_gemm.py``).
     """
     x = x.to(weight.dtype)
     if _on_dense_kernel(x, weight):
+        if x.shape[1] != weight.shape[1]:  # the kernel would read past the end of x
+            raise ValueError(f"input of shape {tuple(x.shape)} for a linear layer taking "
+                             f"(M, {weight.shape[1]})")
         x = x.contiguous()
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
         _dense_library().lm_dense_gemm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
@@ -139,15 +142,17 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(x, self.weight, self.bias)
 
-    @property
-    def packable(self) -> bool:
-        """Whether ``packed_call`` can run this layer: float32 on lmserve's kernel, no bias."""
-        return self.bias is None and _on_dense_kernel(self.weight, self.weight)
+    def packable(self, dtype: torch.dtype) -> bool:
+        """Whether ``packed_call`` can run this layer on activations of ``dtype``: float32
+        weights and activations on lmserve's kernel, no bias."""
+        return dtype == torch.float32 and self.bias is None and _on_dense_kernel(self.weight, self.weight)
 
     def packed_call(self, x: Arg, dtype: torch.dtype, out: Arg, rows: Arg) -> list[Arg]:
         """This matmul as a call for a ``CallList`` (see ``BlockLinear.packed_call``); only where
-        ``packable``, on float32 ``x``."""
-        assert dtype == torch.float32 and self.packable
+        ``packable(dtype)``."""
+        if not self.packable(dtype):
+            raise ValueError(f"a {self.weight.dtype} dense layer{' with a bias' if self.bias is not None else ''} "
+                             f"on {dtype} activations has no C++ call")
         lib = _dense_library()
         return [address(lib.lm_dense_gemm_packed), x, self.weight.data_ptr(), out, rows, self.n, self.k,
                 THREADS]
@@ -189,10 +194,10 @@ class BlockLinear:
         kernel(*self._args(x.data_ptr(), x.dtype, out.data_ptr(), m, torch.get_num_threads()))
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
-    @property
-    def packable(self) -> bool:
-        """Whether ``packed_call`` can run this layer (it adds no bias)."""
-        return self.bias is None
+    def packable(self, dtype: torch.dtype) -> bool:
+        """Whether ``packed_call`` can run this layer on activations of ``dtype`` (float32 or
+        bfloat16; it adds no bias)."""
+        return self.bias is None and dtype in (torch.float32, torch.bfloat16)
 
     def packed_call(self, x: Arg, dtype: torch.dtype, out: Arg, rows: Arg) -> list[Arg]:
         """This matmul as a call for a ``CallList``: ``x`` (rows, K) of ``dtype`` (float32 or

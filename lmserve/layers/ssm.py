@@ -1,6 +1,7 @@
 """Mamba and Mamba2 mixers over a flat batch of tokens, with their state in slots.
 
-The torch path here is the reference (opt O0): float32 throughout, the same math as
+The torch path here is the reference (opt "O0;attention=torch_native"; with the C++ kernels,
+every level's, decode tokens go through kernels/ssm_decode.cpp): float32 throughout, the same math as
 transformers' own implementations. Each sequence's tokens are one ``StateRun``: a prompt chunk is
 convolved and scanned from its slot's state (zeros at position 0) and the new state written back,
 so a prompt scanned chunk by chunk ends where one pass would. Mamba2 prompt chunks use the

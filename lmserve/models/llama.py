@@ -230,9 +230,11 @@ class LlamaModel:
             return None
         if all_reduce is not None and all_reduce.packed_call is None:
             return None
-        linears = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears = [(m, dtype) for layer in self.layers
+                   for m, dtype in ((layer.qkv, layer.dtype), (layer.o, layer.dtype),
+                                    (layer.gate_up, layer.mlp_dtype), (layer.down, layer.mlp_dtype))]
         if not (isinstance(ops, FusedOps) and isinstance(backend, CpuPagedBackend) and call_lists_available()
-                and all(m.packable for m in linears)):
+                and all(m.packable(dtype) for m, dtype in linears)):
             return None
         calls = [call for i, layer in enumerate(self.layers)
                  for call in layer.packed_calls(backend, ops, kv.k[i], kv.v[i], first=i == 0,
