@@ -166,9 +166,9 @@ void block_cases() {
 }
 
 // Float32 weights as they are: within float32 rounding of the float64 product; every row the
-// same bits alone (K = 100: six vectors of 16 and a rest of 4).
+// same bits alone (K = 100: six vectors of 16 and a rest of 4; M = 5: the tiles of 5-8 rows).
 void dense_cases() {
-  const int N = 22, K = 100;
+  const int N = 23, K = 100;  // N: a last strip of 3 columns for tiles of 4 wide, of 1 for 2 wide
   for (int M : {1, 5, 9}) {
     const std::vector<float> w = random_floats((size_t)N * K, 1.0f), a = random_floats((size_t)M * K, 1.0f);
     std::vector<float> c((size_t)M * N);
