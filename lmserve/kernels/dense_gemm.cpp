@@ -10,8 +10,9 @@
 // K's order, then summed by `hsum`; whatever M is and whichever tile computes it, so a token's
 // row is bit-identical alone or in any batch.
 //
-// One row streams W once at the memory's speed (decode); more rows reuse each strip of weights
-// from the L1 cache across tiles of 4 rows (verify steps, prefill), while the next strip comes in.
+// One row streams W once at the memory's speed (decode); 5-8 rows (a verify step) take each
+// weight vector in one tile as it streams in; more rows reuse each strip of weights from the L1
+// cache across tiles of 4 rows (prefill), while the next strip comes in.
 #include <omp.h>
 
 #include "simd.h"
