@@ -128,10 +128,14 @@ void gemm_tiles(const Args& p) {
 // that their FMAs run as the weights stream in: as a tile of 4 and one of the rest they took
 // 10-17% longer over a whole model's weights, the second tile computing while memory idled.
 void gemm(const Args& p) {
+#if LM_AVX512
   if (p.M > 4 && p.M <= 8)
     gemm_tiles<8, 2>(p);
   else
     gemm_tiles<4, 4>(p);
+#else  // an F16 is 2 (AVX2) or 4 (NEON) registers: tiles of 2x2 keep the accumulators in them
+  gemm_tiles<2, 2>(p);
+#endif
 }
 
 }  // namespace
