@@ -21,7 +21,6 @@
 
 #include "simd.h"
 
-#include <algorithm>
 #include <vector>
 
 namespace {
@@ -152,17 +151,12 @@ void strip(const Args& p, int m0, int m_end, int n0) {
 // output element, so choosing them by M keeps rows batch-invariant.
 template <int BITS, int MR, int NR>
 void gemm_tiles(const Args& p) {
-  const int strips = (p.N + NR - 1) / NR;
-  const int chunks = (p.M + kMC - 1) / kMC;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int c = 0; c < chunks; ++c)
-    for (int s = 0; s < strips; ++s) {
-      const int n0 = s * NR, m0 = c * kMC, m_end = std::min(p.M, m0 + kMC);
-      if (n0 + NR <= p.N)
-        strip<BITS, MR, NR>(p, m0, m_end, n0);
-      else
-        for (int n = n0; n < p.N; ++n) strip<BITS, MR, 1>(p, m0, m_end, n);
-    }
+  for_each_strip<NR>(p.M, p.N, kMC, [&](int m0, int m_end, int n0, int width) {
+    if (width == NR)
+      strip<BITS, MR, NR>(p, m0, m_end, n0);
+    else
+      for (int n = n0; n < n0 + width; ++n) strip<BITS, MR, 1>(p, m0, m_end, n);
+  });
 }
 
 template <int BITS>

@@ -17,8 +17,6 @@
 
 #include "simd.h"
 
-#include <algorithm>
-
 namespace {
 
 using namespace lm;
@@ -110,17 +108,12 @@ void strip(const Args& p, int m0, int m_end, int n0) {
 
 template <int MR, int NR>
 void gemm_tiles(const Args& p) {
-  const int strips = (p.N + NR - 1) / NR;
-  const int chunks = (p.M + kMC - 1) / kMC;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int c = 0; c < chunks; ++c)
-    for (int s = 0; s < strips; ++s) {
-      const int n0 = s * NR, m0 = c * kMC, m_end = std::min(p.M, m0 + kMC);
-      if (n0 + NR <= p.N)
-        strip<MR, NR>(p, m0, m_end, n0);
-      else
-        for (int n = n0; n < p.N; ++n) strip<MR, 1>(p, m0, m_end, n);
-    }
+  for_each_strip<NR>(p.M, p.N, kMC, [&](int m0, int m_end, int n0, int width) {
+    if (width == NR)
+      strip<MR, NR>(p, m0, m_end, n0);
+    else
+      for (int n = n0; n < n0 + width; ++n) strip<MR, 1>(p, m0, m_end, n);
+  });
 }
 
 // Tile shapes by the row count (a shape never changes an element's arithmetic). 5-8 rows (a
