@@ -33,6 +33,16 @@ namespace lm {
 // parallel region at all. Not `omp parallel for if (...)`: libgomp runs that as a one-thread
 // region, after which the next region of two threads pays for waking the other again (a
 // one-row int8 matmul after one took 20% longer: benchmarks/kernel_ab.py int8_gemm --rows 1).
+template <typename Fn>
+inline void for_each_row(int64_t n, bool parallel, Fn fn) {
+  if (parallel) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) fn(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+  }
+}
+
 // A matmul's output split for the threads: fn(m0, m_end, n0, width) for every chunk of `chunk`
 // rows [m0, m_end) and strip of NR columns from n0 (the last strip `width` < NR wide when NR
 // does not divide N), statically over the threads. No output element is split, so the split
@@ -47,16 +57,6 @@ inline void for_each_strip(int M, int N, int chunk, Fn fn) {
       const int n0 = s * NR, m0 = c * chunk;
       fn(m0, m0 + chunk < M ? m0 + chunk : M, n0, N - n0 < NR ? N - n0 : NR);
     }
-}
-
-template <typename Fn>
-inline void for_each_row(int64_t n, bool parallel, Fn fn) {
-  if (parallel) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) fn(i);
-  } else {
-    for (int64_t i = 0; i < n; ++i) fn(i);
-  }
 }
 
 inline float bf16_to_f32(uint16_t x) {

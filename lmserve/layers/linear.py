@@ -93,10 +93,10 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _on_dense_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether kernels/dense_gemm.cpp multiplies ``x`` (float32) by this ``weight``."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and x.dim() == 2
-            and weight.is_contiguous() and dense_kernel_unavailable() is None)
+def _on_dense_kernel(weight: torch.Tensor) -> bool:
+    """Whether kernels/dense_gemm.cpp multiplies (float32) activations by this ``weight``."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous()
+            and dense_kernel_unavailable() is None)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -105,12 +105,12 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
     The kernel computes every row alike whatever the number of rows (oneDNN gives a row alone
     other last bits than the same row among others, and MKL's sgemm, torch's ``F.linear``,
-    differs past the last multiple of 8 rows). On AMD Zen 4 it took 1.1-2.8x less time than
-    oneDNN for 1-64 rows of a layer's matrices, and about as long for one row of the
-    49152-row head (``benchmarks/dense_gemm.py``).
+    differs past the last multiple of 8 rows). On AMD Zen 4 it took 1.1-2.4x less time than
+    oneDNN for 1-64 rows of a layer's matrices and 1-16 rows of the 49152-row head, and about
+    as long for 64 of the head's (``benchmarks/dense_gemm.py``).
     """
     x = x.to(weight.dtype)
-    if _on_dense_kernel(x, weight):
+    if x.dim() == 2 and _on_dense_kernel(weight):
         if x.shape[1] != weight.shape[1]:  # the kernel would read past the end of x
             raise ValueError(f"input of shape {tuple(x.shape)} for a linear layer taking "
                              f"(M, {weight.shape[1]})")
@@ -145,7 +145,7 @@ class DenseLinear:
     def packable(self, dtype: torch.dtype) -> bool:
         """Whether ``packed_call`` can run this layer on activations of ``dtype``: float32
         weights and activations on lmserve's kernel, no bias."""
-        return dtype == torch.float32 and self.bias is None and _on_dense_kernel(self.weight, self.weight)
+        return dtype == torch.float32 and self.bias is None and _on_dense_kernel(self.weight)
 
     def packed_call(self, x: Arg, dtype: torch.dtype, out: Arg, rows: Arg) -> list[Arg]:
         """This matmul as a call for a ``CallList`` (see ``BlockLinear.packed_call``); only where
