@@ -181,6 +181,28 @@ def test_the_paged_head_computes_what_the_plain_one_does(target, version, draft_
         engine.shutdown()
 
 
+@torch.inference_mode()
+def test_draft_passes_are_the_chains_the_head_drafts(target):
+    """``EagleNet.draft_passes`` (what ``train-heads`` trains on) against chains run one draft
+    at a time: row ``r`` of pass ``s`` is the head over the target's features up to ``r - s``
+    followed by its own predictions, at its last row."""
+    net = target[2][1]
+    rotary = RotaryEmbedding(net.args.head_dim, 64, net.args.rope_theta)
+    g = torch.Generator().manual_seed(5)
+    n, steps = 12, 3
+    embeddings, features = torch.randn(2, n, HIDDEN, generator=g)
+    passes = net.draft_passes(embeddings, features, rotary, steps)
+    assert len(passes) == steps and torch.equal(passes[0], net(embeddings, features, rotary))
+    for s in range(1, steps):
+        for r in range(s, n):
+            chain = list(features[: r - s + 1])
+            for j in range(s + 1):  # draft j reads the head's prediction before it
+                chain.append(net(embeddings[: r - s + 1 + j], torch.stack(chain), rotary)[-1])
+            assert torch.allclose(passes[s][r], chain[-1], atol=1e-5), (s, r)
+    with pytest.raises(ValueError, match="EAGLE-1"):
+        target[2][3].draft_passes(embeddings, torch.randn(n, 3 * HIDDEN), rotary, 2)
+
+
 def test_the_dynamic_tree_keeps_the_most_likely_paths():
     """Hand-made values: the ``max_nodes`` most likely nodes, the most likely child chain first,
     parents before children, ties to the shallower node."""

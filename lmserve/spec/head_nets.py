@@ -68,18 +68,43 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(q, args.hidden_size, bias=False)
         self.args = args
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        """Causal self-attention of one sequence ``x (T, in_dim)`` from position 0."""
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding,
+                earlier: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Self-attention of one sequence ``x (T, in_dim)`` from position 0, as pass ``s =
+        len(earlier)`` of an unrolled draft (``EagleNet.draft_passes``): row ``r`` attends the
+        first pass's rows up to ``r - s``, then row ``r - s + j`` of pass ``j`` for ``j = 1 ..
+        s`` (itself last). ``earlier`` holds the keys and values of the passes before; this
+        pass's are appended. Pass 0 is plain causal attention."""
         a, t = self.args, x.shape[0]
-        q = self.q_proj(x).view(t, a.num_heads, a.head_dim).transpose(0, 1)
+        q = self.q_proj(x).view(t, a.num_heads, a.head_dim).transpose(0, 1)  # (H, T, hd)
         k = self.k_proj(x).view(t, a.num_kv_heads, a.head_dim).transpose(0, 1)
         v = self.v_proj(x).view(t, a.num_kv_heads, a.head_dim).transpose(0, 1)
         cos, sin = rotary.cos[:t], rotary.sin[:t]
         q, k = (z * cos + _rotate_half(z) * sin for z in (q, k))
         group = a.num_heads // a.num_kv_heads
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (H, T, hd)
+        earlier.append((k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)))
+        s = len(earlier) - 1
+        if s == 0:
+            out = F.scaled_dot_product_attention(q, *earlier[0], is_causal=True)  # (H, T, hd)
+        else:
+            scale = a.head_dim ** -0.5
+            rows = torch.arange(t)
+            first = (q @ earlier[0][0].transpose(1, 2)) * scale  # (H, T, T)
+            first = first.masked_fill(rows[None, :] > rows[:, None] - s, float("-inf"))
+            # Pass j's row r - s + j for row r: its keys and values moved down s - j rows.
+            chain = [(_down(kj, s - j), _down(vj, s - j)) for j, (kj, vj) in enumerate(earlier) if j]
+            scores = torch.cat([first] + [(q * kj).sum(-1, keepdim=True) * scale
+                                          for kj, _ in chain], dim=-1)
+            weights = torch.softmax(scores, dim=-1)  # (H, T, T + s)
+            out = weights[..., :t] @ earlier[0][1]
+            for j, (_, vj) in enumerate(chain):
+                out = out + weights[..., t + j : t + j + 1] * vj
         return self.o_proj(out.transpose(0, 1).reshape(t, -1))
+
+
+def _down(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x (H, T, hd)`` moved ``n`` rows down (zeros on top)."""
+    return F.pad(x, (0, 0, n, 0))[:, : x.shape[1]]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +160,30 @@ class EagleNet(nn.Module):
         if self.version == 3:
             x = self.fc(features)
             h = torch.cat([layer.input_layernorm(embeddings), layer.hidden_norm(x)], dim=-1)
-        else:
-            x = h = self.fc(torch.cat([embeddings, features], dim=-1))
-        x = x + layer.self_attn(h, rotary)
+            return self._rest(layer, x, h, rotary, [])
+        return self.draft_passes(embeddings, features, rotary, 1)[0]
+
+    def draft_passes(self, embeddings: torch.Tensor, features: torch.Tensor,
+                     rotary: RotaryEmbedding, steps: int) -> list[torch.Tensor]:
+        """The hidden states ``(T, D)`` of ``steps`` draft passes of an EAGLE-1 head over one
+        sequence, as the engine drafts them (EAGLE-3's "training-time test"). Pass 0 is
+        ``forward``. Row ``r`` of pass ``s`` is the ``s + 1``-th draft of a chain begun after
+        position ``r - s``: it reads token ``r + 1`` and the head's own prediction of the
+        feature at ``r`` (row ``r - 1`` of pass ``s - 1``), and attends the target's features
+        up to ``r - s`` and the chain's earlier drafts. Rows ``r < s`` have no such chain."""
+        if self.version != 1:
+            raise ValueError("draft passes are for EAGLE-1 heads (what train-heads trains)")
+        layer, earlier, passes = self.layers[0], [], []
+        for _ in range(steps):
+            if passes:  # the previous pass's prediction of each row's feature
+                features = F.pad(passes[-1], (0, 0, 1, 0))[: len(embeddings)]
+            x = self.fc(torch.cat([embeddings, features], dim=-1))
+            passes.append(self._rest(layer, x, x, rotary, earlier))
+        return passes
+
+    @staticmethod
+    def _rest(layer: _Layer, x: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding,
+              earlier: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The layer after its input: attention over ``h`` added to ``x``, then the MLP."""
+        x = x + layer.self_attn(h, rotary, earlier)
         return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -57,6 +57,10 @@ def add_train_heads_parser(subparsers: Any) -> None:
     p.add_argument("--epochs", type=int, default=FitSettings.epochs)
     p.add_argument("--lr", type=float, default=FitSettings.lr)
     p.add_argument("--batch", type=int, default=FitSettings.batch, help="conversations per step")
+    p.add_argument("--draft-passes", type=int, default=FitSettings.draft_passes,
+                   help="eagle: draft passes trained per position, each from the head's own "
+                        "prediction before it (EAGLE-3's training-time test; 1: teacher forced "
+                        f"only; default {FitSettings.draft_passes})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--medusa-heads", type=int, default=4)
     p.add_argument("--medusa-layers", type=int, default=1)
@@ -80,7 +84,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         prompts = read_prompts(args.prompts) if args.prompts else builtin_prompts()
         if args.num_prompts is None:
             args.num_prompts = len(prompts) - args.held_out
-        for name in ("num_prompts", "max_tokens", "answers", "epochs", "batch", "medusa_heads", "medusa_layers"):
+        for name in ("num_prompts", "max_tokens", "answers", "epochs", "batch", "draft_passes",
+                     "medusa_heads", "medusa_layers"):
             if getattr(args, name) < 1:
                 raise ValueError(f"argument --{name.replace('_', '-')}: must be at least 1")
         if args.held_out < 0 or args.num_prompts + args.held_out > len(prompts):
@@ -89,7 +94,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (OSError, ValueError) as err:
         parser.error(str(err))
     train, held_out = split_prompts(prompts, args.num_prompts, args.held_out, args.seed)
-    settings = FitSettings(epochs=args.epochs, lr=args.lr, batch=args.batch, seed=args.seed)
+    settings = FitSettings(epochs=args.epochs, lr=args.lr, batch=args.batch,
+                           draft_passes=args.draft_passes, seed=args.seed)
     started = time.perf_counter()
 
     core = EngineCore(config)

@@ -1,19 +1,23 @@
 """Training Medusa and EAGLE-1 heads on a model's own answers (self-distillation).
 
 Both heads learn two things at once, as EAGLE trains its heads: the model's hidden state
-further on (a smooth-L1 regression to the model's own feature there) and the token the model
-chose there (cross-entropy through the model's head). The cross-entropy ranks the tokens that
-occur in the answers (``answer_vocabulary``), a few thousand instead of the whole vocabulary:
-the model's greedy answers never choose a token outside it, and the regression keeps the rest
-where the model's own head puts them. The model's head stays frozen (Medusa's vocabulary
-projections are copies of it), so a short run on a CPU trains only the small parts: Medusa's
-residual blocks, EAGLE's ``fc`` and decoder layer.
+further on (a smooth-L1 regression to the model's own feature there) and the model's
+distribution of the token that feature chooses (cross-entropy against the model's softmax,
+through its head: every position teaches the whole ranking, not just the token written, and
+sampled answers teach the model's choice, not the sample). The cross-entropy ranks the tokens
+that occur in the answers (``answer_vocabulary``), a few thousand instead of the whole
+vocabulary: the model's greedy answers never choose a token outside it, and the regression keeps
+the rest where the model's own head puts them. The model's head stays frozen (Medusa's
+vocabulary projections are copies of it), so a short run on a CPU trains only the small parts:
+Medusa's residual blocks, EAGLE's ``fc`` and decoder layer.
 
 Medusa head ``i`` reads the final hidden state at ``t`` and predicts the one at ``t + i + 1``,
 whose head logits give token ``t + i + 2``. EAGLE row ``p`` reads token ``p + 1``'s embedding
-and the feature at ``p`` (with uniform noise, as EAGLE trains, so that drafting from its own
-slightly wrong predictions stays on track) and predicts the feature at ``p + 1`` and token
-``p + 2``.
+and the feature at ``p`` (with uniform noise, as EAGLE trains) and predicts the feature at
+``p + 1`` and token ``p + 2``; and since the engine drafts further from the head's own
+predictions, the head also learns from those: ``draft_passes`` per conversation
+(``EagleNet.draft_passes``, EAGLE-3's training-time test), pass ``s`` weighted
+``STEP_WEIGHT ** s``.
 """
 
 from __future__ import annotations
@@ -44,7 +48,13 @@ class FitSettings:
     batch: int = 8
     ce_weight: float = 0.1
     noise: float = 0.2
+    draft_passes: int = 2
     seed: int = 0
+
+
+# The weight of EAGLE's draft pass s (of draft_passes) in the loss is STEP_WEIGHT ** s: a later
+# draft counts only when the ones before it were accepted.
+STEP_WEIGHT = 0.8
 
 
 def answer_vocabulary(samples: list[Sample]) -> torch.Tensor:
@@ -53,34 +63,22 @@ def answer_vocabulary(samples: list[Sample]) -> torch.Tensor:
 
 
 class _Objective:
-    """Regression plus cross-entropy over the answer vocabulary through the frozen head."""
+    """Regression plus cross-entropy against the model's own distribution over the answer
+    vocabulary, through the frozen head."""
 
     def __init__(self, head: torch.Tensor, vocabulary: torch.Tensor, ce_weight: float) -> None:
         self.head = head[vocabulary].float()  # (V', D)
-        self.index = torch.full((head.shape[0],), -1, dtype=torch.long)
-        self.index[vocabulary] = torch.arange(len(vocabulary))
         self.ce_weight = ce_weight
 
-    def __call__(self, hidden: torch.Tensor, feature: torch.Tensor, tokens: torch.Tensor
-                 ) -> tuple[torch.Tensor, int, int]:
+    def __call__(self, hidden: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         """The loss of predicted features ``hidden (N, D)`` against the model's ``feature
-        (N, D)`` and next ``tokens (N,)`` (-1: no token to predict), and how many of the tokens
-        the head ranks first."""
-        loss = F.smooth_l1_loss(hidden, feature)
-        labeled = tokens >= 0
-        if not labeled.any():
-            return loss, 0, 0
-        logits = hidden[labeled] @ self.head.t()  # (n, V')
-        labels = self.index[tokens[labeled]]
-        loss = loss + self.ce_weight * F.cross_entropy(logits, labels)
-        return loss, int((logits.argmax(-1) == labels).sum()), int(labeled.sum())
-
-
-def _answer_tokens(sample: Sample, start: int, end: int) -> torch.Tensor:
-    """The tokens at positions ``start .. end - 1``, -1 where they belong to the prompt."""
-    tokens = torch.tensor(sample.tokens[start:end])
-    positions = torch.arange(start, end)
-    return torch.where(positions >= sample.answer_start, tokens, -1)
+        (N, D)``, and how many of the rows rank the model's choice first."""
+        logits = hidden @ self.head.t()  # (N, V')
+        with torch.no_grad():
+            wanted = F.softmax(feature @ self.head.t(), dim=-1)
+        cross_entropy = -(wanted * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+        loss = F.smooth_l1_loss(hidden, feature) + self.ce_weight * cross_entropy
+        return loss, int((logits.argmax(-1) == wanted.argmax(-1)).sum()), len(hidden)
 
 
 def _fit(parameters: list[torch.nn.Parameter], samples: list[Sample], settings: FitSettings,
@@ -126,8 +124,7 @@ def fit_medusa(samples: list[Sample], head: torch.Tensor, num_heads: int, num_la
             if rows <= 0:
                 break
             hidden = net.hidden(i, f[:rows])  # (rows, D)
-            tokens = torch.cat([_answer_tokens(sample, i + 2, n), torch.full((1,), -1)])[:rows]
-            loss, hits, labeled = objective(hidden, f[i + 1 : i + 1 + rows], tokens)
+            loss, hits, labeled = objective(hidden, f[i + 1 : i + 1 + rows])
             losses.append(loss)
             right, counted = right + hits, counted + labeled
         return torch.stack(losses).sum(), right, counted
@@ -149,12 +146,16 @@ def fit_eagle(samples: list[Sample], head: torch.Tensor, embed: torch.Tensor, ta
                              torch.device("cpu"))
 
     def loss_of(sample: Sample) -> tuple[torch.Tensor, int, int]:
-        f, n = sample.features, len(sample.tokens)
+        f = sample.features
         noisy = f[:-1] + (torch.rand_like(f[:-1]) - 0.5) * settings.noise
         emb = embed[torch.tensor(sample.tokens[1:])].float()  # (n-1, D): token p + 1
-        hidden = net(emb, noisy, rotary)  # (n-1, D): the feature at p + 1
-        tokens = torch.cat([_answer_tokens(sample, 2, n), torch.full((1,), -1)])
-        return objective(hidden, f[1:], tokens)
+        total, first = 0.0, (0, 0)
+        # (n-1, D) each: the feature at p + 1; pass s from row s on (a chain needs s earlier rows)
+        for s, hidden in enumerate(net.draft_passes(emb, noisy, rotary, settings.draft_passes)):
+            loss, hits, rows = objective(hidden[s:], f[1 + s :])
+            total = total + STEP_WEIGHT**s * loss
+            first = first if s else (hits, rows)
+        return total, *first
 
     _fit(list(net.parameters()), samples, settings, loss_of, progress)
     return net
