@@ -6,8 +6,9 @@ distribution of the token that feature chooses (cross-entropy against the model'
 through its head: every position teaches the whole ranking, not just the token written, and
 sampled answers teach the model's choice, not the sample). The cross-entropy ranks the tokens
 that occur in the answers (``answer_vocabulary``), a few thousand instead of the whole
-vocabulary: the model's greedy answers never choose a token outside it, and the regression keeps
-the rest where the model's own head puts them. The model's head stays frozen (Medusa's
+vocabulary: the model's greedy answers never choose a token outside it (at the prompt's
+positions, which train too, its distribution is renormalized over them), and the regression
+keeps the rest where the model's own head puts them. The model's head stays frozen (Medusa's
 vocabulary projections are copies of it), so a short run on a CPU trains only the small parts:
 Medusa's residual blocks, EAGLE's ``fc`` and decoder layer.
 
@@ -41,7 +42,8 @@ from lmserve.train.data import Sample
 class FitSettings:
     """How a head is trained: passes over the data, AdamW's learning rate (cosine decay after a
     short warm-up), conversations per optimizer step, the cross-entropy's weight beside the
-    regression's, EAGLE's input noise (uniform, this wide) and the seed."""
+    regression's, EAGLE's input noise (uniform, this wide), EAGLE's draft passes per position
+    (1: teacher forced only) and the seed."""
 
     epochs: int = 10
     lr: float = 1e-3
@@ -150,8 +152,10 @@ def fit_eagle(samples: list[Sample], head: torch.Tensor, embed: torch.Tensor, ta
         noisy = f[:-1] + (torch.rand_like(f[:-1]) - 0.5) * settings.noise
         emb = embed[torch.tensor(sample.tokens[1:])].float()  # (n-1, D): token p + 1
         total, first = 0.0, (0, 0)
-        # (n-1, D) each: the feature at p + 1; pass s from row s on (a chain needs s earlier rows)
-        for s, hidden in enumerate(net.draft_passes(emb, noisy, rotary, settings.draft_passes)):
+        # (n-1, D) each: the feature at p + 1; pass s from row s on (a chain needs s earlier
+        # rows, so a conversation of n tokens has at most n - 1 passes)
+        passes = net.draft_passes(emb, noisy, rotary, min(settings.draft_passes, len(emb)))
+        for s, hidden in enumerate(passes):
             loss, hits, rows = objective(hidden[s:], f[1 + s :])
             total = total + STEP_WEIGHT**s * loss
             first = first if s else (hits, rows)
