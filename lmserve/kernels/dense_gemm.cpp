@@ -119,9 +119,10 @@ void gemm_tiles(const Args& p) {
 // Tile shapes by the row count (a shape never changes an element's arithmetic). Up to 8 rows (a
 // decode step, a verify step of speculative decoding) take every row in one tile against 2
 // weight rows, so that their FMAs run as the weights stream in. Over a whole model's weights
-// (Zen 4) that is 8% faster than tiles against 4 weight rows for one row, 12-16% for 2-4 rows,
-// and 10-17% faster for 5-8 rows than a tile of 4 and one of the rest (the second computing
-// while memory idled); from 16 rows on, 4x4 tiles reusing each strip from L1 are as fast or faster.
+// (Zen 4) that took 8-12% less time than tiles against 4 weight rows for one row, 12-18% for
+// 2-4 rows, and 10-17% less for 5-8 rows than a tile of 4 and one of the rest (the second
+// computing while memory idled); from 16 rows on, 4x4 tiles reusing each strip from L1 are as
+// fast or faster.
 void gemm(const Args& p) {
 #if LM_AVX512
   if (p.M <= 8)

@@ -151,15 +151,12 @@ def fit_eagle(samples: list[Sample], head: torch.Tensor, embed: torch.Tensor, ta
         f = sample.features
         noisy = f[:-1] + (torch.rand_like(f[:-1]) - 0.5) * settings.noise
         emb = embed[torch.tensor(sample.tokens[1:])].float()  # (n-1, D): token p + 1
-        total, first = 0.0, (0, 0)
         # (n-1, D) each: the feature at p + 1; pass s from row s on (a chain needs s earlier
         # rows, so a conversation of n tokens has at most n - 1 passes)
         passes = net.draft_passes(emb, noisy, rotary, min(settings.draft_passes, len(emb)))
-        for s, hidden in enumerate(passes):
-            loss, hits, rows = objective(hidden[s:], f[1 + s :])
-            total = total + STEP_WEIGHT**s * loss
-            first = first if s else (hits, rows)
-        return total, *first
+        results = [objective(hidden[s:], f[1 + s :]) for s, hidden in enumerate(passes)]
+        total = sum(STEP_WEIGHT**s * loss for s, (loss, _, _) in enumerate(results))
+        return total, *results[0][1:]  # top-1 of the first draft
 
     _fit(list(net.parameters()), samples, settings, loss_of, progress)
     return net
