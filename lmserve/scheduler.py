@@ -38,6 +38,7 @@ class ScheduledChunk:
     decode: bool  # the sequence was decoding (Sequence.is_decoding), not prefilling
     num_lookahead: int = 0  # draft slots reserved (pages allocated) for this step
     draft: DraftTree = field(default_factory=DraftTree)  # at most num_lookahead nodes, drafted
+    draft_length: int = 0  # the draft length the speculator allowed (for the adaptive length)
     accepted: list[int] = field(default_factory=list)  # the draft nodes the target verified
     # Positions whose logit rows score the next prompt token (``prompt_logprobs``): those of the
     # chunk whose next prompt token has no logprob yet, ending where the sampled row begins.

@@ -85,6 +85,7 @@ class Speculator:
         # tokens (``observe``).
         self.feature_layers: Optional[tuple[int, ...]] = getattr(drafter, "feature_layers", None)
         self._depths: dict[Sequence, int] = {}  # this step's, from ``lookahead``
+        self._allowed: dict[Sequence, int] = {}  # this step's length per sequence, ditto
 
     def lookahead(self, seqs: list[Sequence], with_prefill: bool = False) -> list[int]:
         """Draft slots (tree nodes) for this step's decoding sequences: the drafter's nodes as
@@ -93,7 +94,7 @@ class Speculator:
         sequence has no position). The adaptive length drafts nothing in a step that prefill
         chunks may share (``with_prefill``): such a step is compute-bound, where drafts cost a
         full token."""
-        self._depths = {}
+        self._depths, self._allowed = {}, {}
         k = self.max_k
         if self.adaptive is not None:
             self.adaptive.skip()  # unless it chooses below
@@ -104,7 +105,8 @@ class Speculator:
             k = self.adaptive.choose(len(seqs))
             if k == 0:
                 return [0] * len(seqs)
-        depths = [self.drafter.offer(s, min(k, cap)) if (cap := self._cap(s)) else 0
+        self._allowed = {s: min(k, self._cap(s)) for s in seqs}
+        depths = [self.drafter.offer(s, allowed) if (allowed := self._allowed[s]) else 0
                   for s in seqs]
         self._depths = dict(zip(seqs, depths))
         # A tree's nodes take slots past the sequence's end: keep them within the longest.
@@ -117,18 +119,20 @@ class Speculator:
         fewer slots than asked, when pages were short)."""
         depths = {c: min(self._depths.get(c.seq, 0), c.num_lookahead)
                   for c in batch.chunks if c.num_lookahead}
-        self._depths = {}
+        for c in batch.chunks:  # (whatever the drafter offered: a short match earns less)
+            c.draft_length = self._allowed.get(c.seq, 0)
+        self._depths, self._allowed = {}, {}
         self.drafter.propose(batch, depths)
 
     def record(self, batch: Batch, seconds: float) -> None:
         """Count a step (its chunks' ``num_accepted`` set) that took ``seconds`` in all."""
-        decode_only, tokens, drafted = True, 0, False
+        decode_only, outcomes, drafted = True, [], False
         for chunk in batch.chunks:
             if not chunk.decode:
                 decode_only = False
                 continue
-            tokens += 1 + chunk.num_accepted
             drafts, accepted = len(chunk.draft), chunk.num_accepted
+            outcomes.append((chunk.draft_length, accepted))
             drafted = drafted or drafts > 0
             if drafts:
                 c = self.counters
@@ -138,7 +142,7 @@ class Speculator:
                 for pos in range(accepted):
                     c.accepted_per_pos[pos] += 1
         if self.adaptive is not None and decode_only:
-            self.adaptive.observe(tokens, seconds, drafted)
+            self.adaptive.observe(seconds, outcomes, drafted)
 
     def _cap(self, seq: Sequence) -> int:
         left = self.max_sequence_length - len(seq.token_ids)
