@@ -87,6 +87,9 @@ class ScheduledChunk:
 class Batch:
     chunks: list[ScheduledChunk]
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # see StepInput
+    # The adaptive draft length's choice for the step, (decoding sequences, length), which it
+    # measures the step by (``Speculator``); None where it chose nothing.
+    draft_choice: Optional[tuple[int, int]] = None
 
     def step_input(self) -> StepInput:
         """The step as the runner sees it: plain data, one ``SeqStep`` per chunk."""

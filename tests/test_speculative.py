@@ -20,7 +20,7 @@ from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
 from lmserve.models.builtin import builtin_model_path
 from lmserve.request import Request, Sequence
-from lmserve.scheduler import Scheduler
+from lmserve.scheduler import Batch, ScheduledChunk, Scheduler
 from lmserve.spec.adaptive import AdaptiveDraftLength
 from lmserve.spec.draft_model import DraftModelDrafter
 from lmserve.spec.ngram import NgramDrafter, draft_depth, propose_ngram
@@ -178,7 +178,7 @@ def _simulate(policy: AdaptiveDraftLength, num_seqs: int, acceptance: float, t0:
     for _ in range(steps):
         k = policy.choose(num_seqs)
         outcomes = [(k, _accepted(rng, acceptance, k)) for _ in range(num_seqs)]
-        policy.observe(t0 + t1 * num_seqs * (1 + k), outcomes)
+        policy.observe(num_seqs, k, t0 + t1 * num_seqs * (1 + k), outcomes)
         chosen.append(k)
     return chosen
 
@@ -198,11 +198,13 @@ def test_the_adaptive_length_climbs_to_the_best_length_and_off_when_drafts_do_no
     assert chosen[0] == 4 and chosen[-100:].count(0) >= 85 and set(chosen[-100:]) <= {0, 1}
     with pytest.raises(ValueError, match="adaptive start of 5"):
         AdaptiveDraftLength(start=5)
-    # Batch sizes are measured apart: one policy serves both.
+    # Each batch size has its length and its costs (the acceptance is the drafter's, shared):
+    # one policy serves both, and one stream keeps its 6 after the full batch's steps.
     policy = AdaptiveDraftLength()
     _simulate(policy, 1, 0.8, 0.010, 0.001)
-    _simulate(policy, 16, 0.5, 0.0, 0.001)
-    assert policy.choose(1) == 6
+    assert _simulate(policy, 16, 0.8, 0.0, 0.001)[-100:].count(0) >= 85
+    chosen = _simulate(policy, 1, 0.8, 0.010, 0.001, steps=300, seed=1)
+    assert chosen.count(6) >= 250
 
 
 def test_the_adaptive_length_holds_the_best_length_through_hard_text_and_a_changing_machine():
@@ -221,7 +223,7 @@ def test_the_adaptive_length_holds_the_best_length_through_hard_text_and_a_chang
             k = policy.choose(1)
             accepted = _accepted(rng, 0.45 if (step // 64) % 2 else 0.25, k)
             took = (0.7 if (step // 100) % 2 else 1.3) * (1 + 0.06 * k)
-            policy.observe(took, [(k, accepted)])
+            policy.observe(1, k, took, [(k, accepted)])
             tokens, seconds = tokens + 1 + accepted, seconds + took
         ratios.append(tokens / seconds / 1.3237)
     assert sum(ratios) / len(ratios) > 0.97
@@ -238,7 +240,7 @@ def test_steps_without_drafts_do_not_measure_the_length_that_allowed_them():
         k = policy.choose(1)
         matches = (step // 100) % 2 == 0
         drafts = k if matches else 0
-        policy.observe(0.010 + 0.001 * (1 + drafts), [(k, _accepted(rng, 0.8, drafts))],
+        policy.observe(1, k, 0.010 + 0.001 * (1 + drafts), [(k, _accepted(rng, 0.8, drafts))],
                        drafted=drafts > 0)
         if matches:
             chosen.append(k)
@@ -565,3 +567,41 @@ def test_the_adaptive_length_asks_the_drafter_nothing_when_it_chooses_not_to_dra
             for i in range(16)]
     assert spec.lookahead(seqs) == [0] * 16 and drafter.asked == 0
     assert spec.lookahead(seqs[:1]) == [3] and drafter.asked == 1
+
+
+def test_each_step_is_measured_by_its_own_draft_length_with_steps_in_flight():
+    """With pipeline stages the next step is scheduled (its draft length chosen) before the one
+    in flight finishes; each step is measured as the length it ran, and a sequence whose draft
+    slots the scheduler cut is measured only down to the drafts it had."""
+
+    class ChainDrafter:
+        adaptive_start = 3
+
+        def offer(self, seq, cap):
+            return cap
+
+        def num_nodes(self, seq, depth):
+            return depth
+
+        def propose(self, batch, depths):
+            for c, depth in depths.items():
+                c.draft = DraftTree.chain([7] * depth)
+
+    spec = Speculator(ChainDrafter(), k=0, max_sequence_length=100)
+    seqs = [Sequence(Request(str(i), [1, 2], SamplingParams(max_tokens=50)), 0, [1, 2], None)
+            for i in range(3)]
+    observed = []
+    spec.adaptive.observe = lambda *args: observed.append((args[:2], args[3]))
+    batches = []
+    for group, granted in (([seqs[0]], [3]), (seqs[1:], [3, 1])):  # 1 stream, then 2 (one cut)
+        slots = spec.lookahead(group)
+        assert slots == [3] * len(group)
+        batch = Batch([ScheduledChunk(s, 1, True, True, num_lookahead=n)
+                       for s, n in zip(group, granted)])
+        spec.propose(batch)
+        batches.append(batch)
+    for batch in batches:
+        for c in batch.chunks:
+            c.accepted = list(range(len(c.draft)))[:1]
+        spec.record(batch, 0.01)
+    assert observed == [((1, 3), [(3, 1)]), ((2, 3), [(3, 1), (1, 1)])]

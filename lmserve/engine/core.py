@@ -468,7 +468,7 @@ def _without_aborted(batch: Batch, logits: torch.Tensor) -> tuple[Batch, torch.T
             chunks.append(c)
             rows += range(row, row + n)
         row += n
-    return Batch(chunks, batch.state_copies), logits[rows]
+    return Batch(chunks, batch.state_copies, batch.draft_choice), logits[rows]
 
 
 class _NewTokens(NamedTuple):

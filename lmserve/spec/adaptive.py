@@ -61,11 +61,12 @@ class _Acceptance:
 
     def tokens(self, k: int) -> Optional[float]:
         """Expected tokens a sequence-step at length ``k`` yields (its accepted drafts and the
-        model's own token), or None before any draft was measured. Each position's rate is
-        blended with ``_PRIOR`` pseudo-samples of the previous position's rate times the ratio
-        of the two before (the first position's rate itself for the second): a position
-        sampled a few times in tries is not taken at its few samples' word, and one sampled in
-        every step barely moves."""
+        model's own token), or None before any draft was measured. Each position's rate (the
+        share of sequence-steps that accepted at least that many drafts) is blended with
+        ``_PRIOR`` pseudo-samples of the previous position's rate times the ratio of the two
+        before (the first position's rate itself for the second), and is at most the previous
+        one's: a position sampled a few times in tries is not taken at its few samples' word,
+        one never sampled is the extrapolation, and one sampled in every step barely moves."""
         if k == 0:
             return 1.0
         if not self.allowed[0]:
@@ -74,7 +75,8 @@ class _Acceptance:
         for i in range(1, k):
             ratio = rates[-1] / rates[-2] if i >= 2 and rates[-2] else rates[0]
             prior = rates[-1] * min(ratio, 1.0)
-            rates.append((self.accepted[i] + _PRIOR * prior) / (self.allowed[i] + _PRIOR))
+            rate = (self.accepted[i] + _PRIOR * prior) / (self.allowed[i] + _PRIOR)
+            rates.append(min(rate, rates[-1]))  # (a deeper draft needs the one before it)
         return 1 + sum(rates)
 
 
@@ -95,6 +97,7 @@ class _BatchSize:
         factor = self.relative.pop(index)
         self.relative = {i: r / factor for i, r in self.relative.items()}
         self.relative[self.current] = 1 / factor
+        self.tries[self.current] = 0  # (measured as the current, never beside the new one)
         self.seconds = None if self.seconds is None else self.seconds * factor
         self.current = index
         self.interval = self.until_try = _FIRST_INTERVAL  # look around the new length often
@@ -110,48 +113,39 @@ class AdaptiveDraftLength:
         self._start = LENGTHS.index(start)
         self._buckets: dict[int, _BatchSize] = {}
         self._acceptance = _Acceptance()
-        self._last: Optional[tuple[_BatchSize, int]] = None  # this step's bucket and length
 
     def choose(self, num_seqs: int) -> int:
-        """The draft length for a step of ``num_seqs`` decoding sequences."""
-        key = max(num_seqs, 1).bit_length()  # 1, 2-3, 4-7, ...
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = _BatchSize(current=self._start if key <= 2 else 0)
+        """The draft length for a step of ``num_seqs`` decoding sequences (``observe`` takes
+        both back with the step's measurements)."""
+        bucket = self._bucket(num_seqs)
         index = bucket.current
         bucket.until_try -= 1
         if bucket.until_try <= 0 and bucket.seconds is not None:  # try a neighbour, in turn
             bucket.until_try = bucket.interval
             bucket.tried_above = not bucket.tried_above or index == 0
             index = min(max(index + (1 if bucket.tried_above else -1), 0), len(LENGTHS) - 1)
-        self._last = (bucket, index)
         return LENGTHS[index]
 
-    def skip(self) -> None:
-        """This step is not the one chosen last: it must not be measured as such."""
-        self._last = None
-
-    def observe(self, seconds: float, outcomes: list[tuple[int, int]], drafted: bool = True) -> None:
-        """The step chosen last took ``seconds``; ``outcomes``: per decoding sequence, the
-        drafts the step allowed it (the length, or less near its length limits) and how many
-        it accepted; ``drafted``: some sequence had drafts. Only decode steps are observed;
-        ``skip`` says that the next step was not chosen here. A step that allowed drafts but
-        had none (prompt lookup found no match) ran as plain decoding whatever the length: it
-        measures neither, or the stretches of a workload without matches would pull every
-        length towards plain decoding."""
-        if self._last is None or seconds <= 0 or not outcomes:
+    def observe(self, num_seqs: int, k: int, seconds: float, outcomes: list[tuple[int, int]],
+                drafted: bool = True) -> None:
+        """A decode step whose length ``k`` was chosen for ``num_seqs`` sequences took
+        ``seconds``; ``outcomes``: per decoding sequence, the drafts the step allowed it (the
+        length, or less near its length limits) and how many it accepted; ``drafted``: some
+        sequence had drafts. A step that allowed drafts but had none (prompt lookup found no
+        match) ran as plain decoding whatever the length: it measures neither, or the stretches
+        of a workload without matches would pull every length towards plain decoding."""
+        if seconds <= 0 or not outcomes or (k and not drafted):
             return
-        bucket, index = self._last
-        self._last = None
-        if not drafted and LENGTHS[index]:
-            return
+        bucket, index = self._bucket(num_seqs), LENGTHS.index(k)
         self._acceptance.add(outcomes)
         per_seq = seconds / len(outcomes)
         if index == bucket.current:
             old = bucket.seconds
             bucket.seconds = per_seq if old is None else old + _SMOOTHING * (per_seq - old)
             return
-        relative = per_seq / bucket.seconds  # (a neighbour is tried only once it is known)
+        if bucket.seconds is None:  # (a neighbour is tried once the current length has a time)
+            return
+        relative = per_seq / bucket.seconds
         old = bucket.relative.get(index)
         bucket.relative[index] = relative if old is None else old + _SMOOTHING * (relative - old)
         bucket.tries[index] = bucket.tries.get(index, 0) + 1
@@ -162,6 +156,13 @@ class AdaptiveDraftLength:
             bucket.move(index)
         elif gain < 1:
             bucket.interval = min(2 * bucket.interval, _MAX_INTERVAL)
+
+    def _bucket(self, num_seqs: int) -> _BatchSize:
+        key = max(num_seqs, 1).bit_length()  # 1, 2-3, 4-7, ...
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _BatchSize(current=self._start if key <= 2 else 0)
+        return bucket
 
     def _gain(self, bucket: _BatchSize, index: int) -> Optional[float]:
         """The expected goodput of ``LENGTHS[index]`` over the current length's, once known."""

@@ -31,10 +31,11 @@ class NgramDrafter:
     deterministic (q = 1 on its tokens), so verification needs no draft probabilities."""
 
     # It drafts little after a short match (``draft_depth``), so a deep cap costs little where
-    # it is unsure. Between 4, 6 and 8 the goodputs differ by less than a step's noise, so the
-    # adaptive length stays near its start: from 8 it ran at k=8's speed (1.44x plain decoding,
-    # 3.83 tokens a step), from 4 at 0.89x of k=8's (3.17), from 2 at 1.26x plain decoding
-    # (grounded prompts of benchmarks/speculative.py, c=1, Zen 4).
+    # it is unsure. Between 4, 6 and 8 the goodputs differ by a few percent, so the adaptive
+    # length stays near its start: from 8 it ran at k=8's speed (1.44x plain decoding, 3.83
+    # tokens a step), from 4 at 0.89x of k=8's (3.17), from 2 at 1.26x plain decoding
+    # (grounded prompts of benchmarks/speculative.py, c=1, Zen 4, the estimate before
+    # 2026-12-05; since then from 8: 1.37-1.54x, 3.60 tokens a step).
     adaptive_start = 8
 
     def __init__(self, width: int = 1, min_n: int = 2, max_n: int = 6) -> None:

@@ -84,8 +84,12 @@ class Speculator:
         # ``ModelRunner.feature_layers``); the engine hands it those of each step's verified
         # tokens (``observe``).
         self.feature_layers: Optional[tuple[int, ...]] = getattr(drafter, "feature_layers", None)
-        self._depths: dict[Sequence, int] = {}  # this step's, from ``lookahead``
-        self._allowed: dict[Sequence, int] = {}  # this step's length per sequence, ditto
+        # The next step's, from ``lookahead`` to ``propose``: the drafter's offer, the slots
+        # asked and the draft length per sequence, and the adaptive length's choice.
+        self._depths: dict[Sequence, int] = {}
+        self._asked: dict[Sequence, int] = {}
+        self._allowed: dict[Sequence, int] = {}
+        self._choice: Optional[tuple[int, int]] = None
 
     def lookahead(self, seqs: list[Sequence], with_prefill: bool = False) -> list[int]:
         """Draft slots (tree nodes) for this step's decoding sequences: the drafter's nodes as
@@ -94,15 +98,15 @@ class Speculator:
         sequence has no position). The adaptive length drafts nothing in a step that prefill
         chunks may share (``with_prefill``): such a step is compute-bound, where drafts cost a
         full token."""
-        self._depths, self._allowed = {}, {}
+        self._depths, self._asked, self._allowed, self._choice = {}, {}, {}, None
         k = self.max_k
         if self.adaptive is not None:
-            self.adaptive.skip()  # unless it chooses below
             if with_prefill:
                 return [0] * len(seqs)
             # Chosen before the drafter is asked: a plain decode step (the usual choice of a
             # full batch) then pays for no lookups or draft passes.
             k = self.adaptive.choose(len(seqs))
+            self._choice = (len(seqs), k)
             if k == 0:
                 return [0] * len(seqs)
         self._allowed = {s: min(k, self._cap(s)) for s in seqs}
@@ -110,19 +114,28 @@ class Speculator:
                   for s in seqs]
         self._depths = dict(zip(seqs, depths))
         # A tree's nodes take slots past the sequence's end: keep them within the longest.
-        return [min(self.drafter.num_nodes(s, d) if d else 0,
-                    self.max_sequence_length - len(s.token_ids) - 1)
-                for s, d in zip(seqs, depths)]
+        slots = [min(self.drafter.num_nodes(s, d) if d else 0,
+                     self.max_sequence_length - len(s.token_ids) - 1)
+                 for s, d in zip(seqs, depths)]
+        self._asked = dict(zip(seqs, slots))
+        return slots
 
     def propose(self, batch: Batch) -> None:
         """Fill the drafts of every chunk with reserved slots (a chunk may have been granted
-        fewer slots than asked, when pages were short)."""
+        fewer slots than asked: when pages were short, or to fit the step's tokens), and mark
+        the batch with what the adaptive length measures it by."""
         depths = {c: min(self._depths.get(c.seq, 0), c.num_lookahead)
                   for c in batch.chunks if c.num_lookahead}
-        for c in batch.chunks:  # (whatever the drafter offered: a short match earns less)
-            c.draft_length = self._allowed.get(c.seq, 0)
-        self._depths, self._allowed = {}, {}
         self.drafter.propose(batch, depths)
+        batch.draft_choice = self._choice
+        for c in batch.chunks:
+            # The length allowed, whatever the drafter offered (a short match earns less); but
+            # where the scheduler cut the slots, the positions past them were never drafted.
+            c.draft_length = self._allowed.get(c.seq, 0)
+            if c.num_lookahead < self._asked.get(c.seq, 0):
+                c.draft_length = min(c.draft_length, max(map(c.draft.depth, range(len(c.draft))),
+                                                         default=0))
+        self._depths, self._asked, self._allowed, self._choice = {}, {}, {}, None
 
     def record(self, batch: Batch, seconds: float) -> None:
         """Count a step (its chunks' ``num_accepted`` set) that took ``seconds`` in all."""
@@ -141,8 +154,8 @@ class Speculator:
                 c.num_accepted_tokens += accepted
                 for pos in range(accepted):
                     c.accepted_per_pos[pos] += 1
-        if self.adaptive is not None and decode_only:
-            self.adaptive.observe(seconds, outcomes, drafted)
+        if batch.draft_choice is not None and decode_only:
+            self.adaptive.observe(*batch.draft_choice, seconds, outcomes, drafted)
 
     def _cap(self, seq: Sequence) -> int:
         left = self.max_sequence_length - len(seq.token_ids)
