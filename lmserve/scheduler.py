@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from lmserve.cache.manager import KVCacheManager
 from lmserve.request import Sequence, SeqStatus
+from lmserve.spec.adaptive import DraftChoice
 from lmserve.spec.tree import DraftTree, num_in_place
 from lmserve.step import SeqStep, StepInput
 
@@ -87,9 +88,9 @@ class ScheduledChunk:
 class Batch:
     chunks: list[ScheduledChunk]
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # see StepInput
-    # The adaptive draft length's choice for the step, (decoding sequences, length), which it
-    # measures the step by (``Speculator``); None where it chose nothing.
-    draft_choice: Optional[tuple[int, int]] = None
+    # The adaptive draft length's choice for the step, which it measures the step by
+    # (``Speculator``); None where it chose nothing.
+    draft_choice: Optional[DraftChoice] = None
 
     def step_input(self) -> StepInput:
         """The step as the runner sees it: plain data, one ``SeqStep`` per chunk."""

@@ -176,18 +176,22 @@ def _simulate(policy: AdaptiveDraftLength, num_seqs: int, acceptance: float, t0:
     each draft is accepted with probability ``acceptance`` (drawn); the lengths chosen."""
     rng, chosen = random.Random(seed), []
     for _ in range(steps):
-        k = policy.choose(num_seqs)
+        choice = policy.choose(num_seqs)
+        k = choice.length
         outcomes = [(k, _accepted(rng, acceptance, k)) for _ in range(num_seqs)]
-        policy.observe(num_seqs, k, t0 + t1 * num_seqs * (1 + k), outcomes)
+        policy.observe(choice, t0 + t1 * num_seqs * (1 + k), outcomes)
         chosen.append(k)
     return chosen
 
 
 def test_the_adaptive_length_climbs_to_the_best_length_and_off_when_drafts_do_not_pay():
     # One stream, drafts accepted 80% of the time, a token costing 10% of a step: tokens per
-    # second peak at 6 drafts (232/s; 4 and 8 drafts give 224/s and 228/s, none 91/s).
-    chosen = _simulate(AdaptiveDraftLength(), 1, 0.8, 0.010, 0.001)
-    assert max(set(chosen[-100:]), key=chosen[-100:].count) == 6
+    # second peak at 6 drafts (232/s; 4 and 8 drafts give 224/s and 228/s, 3 211/s, none
+    # 91/s). Measuring each length by its own steps' tokens, the policy settled anywhere from 1
+    # to 6 on drawn acceptance (190/s on average over 20 seeds; on expected tokens, as this
+    # test drew them before, it found 6).
+    chosen = _simulate(AdaptiveDraftLength(), 1, 0.8, 0.010, 0.001, steps=600)
+    assert sum(k in (4, 6, 8) for k in chosen[-100:]) >= 95
     # A full batch on a compute-bound machine: every draft costs a whole token's compute, so
     # with half the drafts accepted the best is not to draft (exploring 1 now and then).
     chosen = _simulate(AdaptiveDraftLength(), 16, 0.5, 0.0, 0.001)
@@ -201,10 +205,10 @@ def test_the_adaptive_length_climbs_to_the_best_length_and_off_when_drafts_do_no
     # Each batch size has its length and its costs (the acceptance is the drafter's, shared):
     # one policy serves both, and one stream keeps its 6 after the full batch's steps.
     policy = AdaptiveDraftLength()
-    _simulate(policy, 1, 0.8, 0.010, 0.001)
+    _simulate(policy, 1, 0.8, 0.010, 0.001, steps=600)
     assert _simulate(policy, 16, 0.8, 0.0, 0.001)[-100:].count(0) >= 85
     chosen = _simulate(policy, 1, 0.8, 0.010, 0.001, steps=300, seed=1)
-    assert chosen.count(6) >= 250
+    assert sum(k in (4, 6, 8) for k in chosen) >= 280
 
 
 def test_the_adaptive_length_holds_the_best_length_through_hard_text_and_a_changing_machine():
@@ -215,18 +219,37 @@ def test_the_adaptive_length_holds_the_best_length_through_hard_text_and_a_chang
     took the luck of the text and the machine in those steps for the length's worth and
     wandered (95% of the best fixed length's goodput over five seeds); with the acceptance
     pooled over every drafted step and each length's time taken beside the current length's
-    it stays near the best (98%)."""
+    it stays near the best (99%)."""
     ratios = []
     for seed in range(5):
         policy, rng, tokens, seconds = AdaptiveDraftLength(), random.Random(seed), 0, 0.0
         for step in range(3000):
-            k = policy.choose(1)
+            choice = policy.choose(1)
+            k = choice.length
             accepted = _accepted(rng, 0.45 if (step // 64) % 2 else 0.25, k)
             took = (0.7 if (step // 100) % 2 else 1.3) * (1 + 0.06 * k)
-            policy.observe(1, k, took, [(k, accepted)])
+            policy.observe(choice, took, [(k, accepted)])
             tokens, seconds = tokens + 1 + accepted, seconds + took
         ratios.append(tokens / seconds / 1.3237)
     assert sum(ratios) / len(ratios) > 0.97
+
+
+def test_a_try_is_timed_after_the_switch_that_a_drafter_which_sat_out_pays_for():
+    """A drafter with state (EAGLE's head, a draft model) catches up on the tokens it skipped
+    in its first step after plain decoding: here that step costs 2 plain ones, a drafted step
+    in a run of them 1 + 0.2 per draft. Drafts right 34% of the time: one draft a step pays
+    (1.34 tokens for 1.2, 1.12x), two do not (1.04x). Timed on its first step, a try of 1 from
+    plain decoding cost 2 and the policy stayed at 0 (EAGLE at the default level, one stream:
+    adaptive 1.01x where k=1 ran at 1.11x); a try's first step is not timed."""
+    policy, rng, chosen, previous = AdaptiveDraftLength(start=0), random.Random(0), [], 0
+    for _ in range(2000):
+        choice = policy.choose(1)
+        k = choice.length
+        took = 1.0 if k == 0 else 2.0 if previous == 0 else 1.0 + 0.2 * k
+        policy.observe(choice, took, [(k, _accepted(rng, 0.34, k))])
+        chosen.append(k)
+        previous = k
+    assert chosen[-500:].count(1) >= 450
 
 
 def test_steps_without_drafts_do_not_measure_the_length_that_allowed_them():
@@ -237,10 +260,11 @@ def test_steps_without_drafts_do_not_measure_the_length_that_allowed_them():
     stretches); not measured, it holds the best length (6, as in the test above)."""
     policy, chosen, rng = AdaptiveDraftLength(start=4), [], random.Random(0)
     for step in range(3000):
-        k = policy.choose(1)
+        choice = policy.choose(1)
+        k = choice.length
         matches = (step // 100) % 2 == 0
         drafts = k if matches else 0
-        policy.observe(1, k, 0.010 + 0.001 * (1 + drafts), [(k, _accepted(rng, 0.8, drafts))],
+        policy.observe(choice, 0.010 + 0.001 * (1 + drafts), [(k, _accepted(rng, 0.8, drafts))],
                        drafted=drafts > 0)
         if matches:
             chosen.append(k)
@@ -591,7 +615,8 @@ def test_each_step_is_measured_by_its_own_draft_length_with_steps_in_flight():
     seqs = [Sequence(Request(str(i), [1, 2], SamplingParams(max_tokens=50)), 0, [1, 2], None)
             for i in range(3)]
     observed = []
-    spec.adaptive.observe = lambda *args: observed.append((args[:2], args[3]))
+    spec.adaptive.observe = lambda choice, seconds, outcomes, drafted: observed.append(
+        ((choice.num_seqs, choice.length), outcomes))
     batches = []
     for group, granted in (([seqs[0]], [3]), (seqs[1:], [3, 1])):  # 1 stream, then 2 (one cut)
         slots = spec.lookahead(group)

@@ -107,7 +107,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     other last bits than the same row among others, and MKL's sgemm, torch's ``F.linear``,
     differs past the last multiple of 8 rows). On AMD Zen 4 it took 1.1-2.4x less time than
     oneDNN for 1-64 rows of a layer's matrices and 1-16 rows of the 49152-row head, and about
-    as long for 64 of the head's (``benchmarks/dense_gemm.py``).
+    as long for 64 of the head's (``benchmarks/dense_gemm.py``), before 1-4 rows moved to the
+    8-row tile (8-18% less time again over a whole model's weights; docs/performance.md).
     """
     x = x.to(weight.dtype)
     if x.dim() == 2 and _on_dense_kernel(weight):

@@ -15,9 +15,12 @@ of percent here, so both are measured, apart:
   extrapolation of the ones before it (``_PRIOR``).
 - What a length costs: its seconds a sequence-step beside the current length's, per batch size
   (in powers of two). This is what the engine tries neighbouring lengths for: every few steps it
-  runs one (hill climbing over 0, 1, 2, 3, 4, 6, 8), takes the step's time over the current
-  length's running time (so a machine that slows down or speeds up between tries moves neither
-  length), and moves when the neighbour's goodput (expected tokens over seconds) is better.
+  runs one (hill climbing over 0, 1, 2, 3, 4, 6, 8) and takes its time over the current
+  length's time then (the median of its latest steps), so a machine that slows down or speeds
+  up between tries moves neither length; it moves when the neighbour's goodput (expected tokens
+  over seconds) is better. A try runs two steps and times the second: the first pays for the
+  switch (a drafter that sat out plain decoding catches up on the tokens it skipped), which a
+  length it moved to would pay once.
 
 Length 0 is plain decoding, so when drafts do not pay the engine stops drafting, and tries again
 now and then in case the workload changed.
@@ -25,14 +28,17 @@ now and then in case the workload changed.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Optional
 
 # The draft lengths the adaptive length moves between; the last is the longest it chooses.
 LENGTHS = (0, 1, 2, 3, 4, 6, 8)
 MAX_ADAPTIVE_K = LENGTHS[-1]
 _FIRST_INTERVAL, _MAX_INTERVAL = 4, 64  # steps between tries of a neighbouring length
-_SMOOTHING = 0.15  # weight of a new measurement in a running time
+_RECENT = 15  # the current length's latest step times, whose median is its time
+_TRIES_KEPT = 5  # a neighbour's latest relative times, whose median is its relative time
 _DECAY = 0.99  # per drafted step, the weight of a position's earlier acceptance counts
 _PRIOR = 8.0  # pseudo-samples of a position's extrapolated acceptance (see ``_Acceptance``)
 _MIN_TRIES = 3  # measurements of a neighbour before the engine may move to it
@@ -80,25 +86,47 @@ class _Acceptance:
         return 1 + sum(rates)
 
 
+@dataclass(frozen=True)
+class DraftChoice:
+    """A step's draft length as chosen, handed back with the step's measurements."""
+
+    num_seqs: int  # decoding sequences it was chosen for
+    length: int
+    timed: bool = True  # False: the first step of a try (it pays for the switch)
+
+
 @dataclass
 class _BatchSize:
-    """What was measured for one batch-size bucket."""
+    """What was measured for one batch-size bucket. Times are medians of the latest steps: a
+    step now and then takes several times as long (a page fault, another process), and one
+    such step as a neighbour's try would decide for a long time."""
 
     current: int  # index into LENGTHS
-    seconds: Optional[float] = None  # the current length's per sequence-step, smoothed
-    relative: dict[int, float] = field(default_factory=dict)  # index -> seconds over current's
-    tries: dict[int, int] = field(default_factory=dict)  # index -> measurements
+    # The current length's latest seconds per sequence-step, and per other length its latest
+    # tries' seconds over the current length's time then
+    recent: deque = field(default_factory=lambda: deque(maxlen=_RECENT))
+    relative: dict[int, deque] = field(default_factory=dict)
     interval: int = _FIRST_INTERVAL  # steps between tries of a neighbour
     until_try: int = _FIRST_INTERVAL
     tried_above: bool = False  # which neighbour the last try took
+    trying: Optional[int] = None  # the index of a try's second step, next
+
+    def seconds(self) -> Optional[float]:
+        return median(self.recent) if self.recent else None
+
+    def relative_seconds(self, index: int) -> Optional[float]:
+        tries = self.relative.get(index)
+        return median(tries) if tries else None
 
     def move(self, index: int) -> None:
-        """Make ``LENGTHS[index]`` current: the other lengths' times are taken relative to it."""
-        factor = self.relative.pop(index)
-        self.relative = {i: r / factor for i, r in self.relative.items()}
-        self.relative[self.current] = 1 / factor
-        self.tries[self.current] = 0  # (measured as the current, never beside the new one)
-        self.seconds = None if self.seconds is None else self.seconds * factor
+        """Make ``LENGTHS[index]`` current: the other lengths' times are taken relative to it,
+        and the one it leaves (measured as the current, never beside the new one) must be
+        tried again."""
+        factor = self.relative_seconds(index)
+        del self.relative[index]
+        self.relative = {i: deque((r / factor for r in tries), maxlen=_TRIES_KEPT)
+                         for i, tries in self.relative.items()}
+        self.recent = deque((t * factor for t in self.recent), maxlen=_RECENT)
         self.current = index
         self.interval = self.until_try = _FIRST_INTERVAL  # look around the new length often
 
@@ -114,47 +142,52 @@ class AdaptiveDraftLength:
         self._buckets: dict[int, _BatchSize] = {}
         self._acceptance = _Acceptance()
 
-    def choose(self, num_seqs: int) -> int:
+    def choose(self, num_seqs: int) -> DraftChoice:
         """The draft length for a step of ``num_seqs`` decoding sequences (``observe`` takes
-        both back with the step's measurements)."""
+        the choice back with the step's measurements)."""
         bucket = self._bucket(num_seqs)
+        if bucket.trying is not None:
+            index, bucket.trying = bucket.trying, None
+            return DraftChoice(num_seqs, LENGTHS[index])
         index = bucket.current
         bucket.until_try -= 1
-        if bucket.until_try <= 0 and bucket.seconds is not None:  # try a neighbour, in turn
+        if bucket.until_try <= 0 and bucket.recent:  # try a neighbour, in turn
             bucket.until_try = bucket.interval
             bucket.tried_above = not bucket.tried_above or index == 0
             index = min(max(index + (1 if bucket.tried_above else -1), 0), len(LENGTHS) - 1)
-        return LENGTHS[index]
+            if index != bucket.current:
+                bucket.trying = index
+                return DraftChoice(num_seqs, LENGTHS[index], timed=False)
+        return DraftChoice(num_seqs, LENGTHS[index])
 
-    def observe(self, num_seqs: int, k: int, seconds: float, outcomes: list[tuple[int, int]],
+    def observe(self, choice: DraftChoice, seconds: float, outcomes: list[tuple[int, int]],
                 drafted: bool = True) -> None:
-        """A decode step whose length ``k`` was chosen for ``num_seqs`` sequences took
-        ``seconds``; ``outcomes``: per decoding sequence, the drafts the step allowed it (the
-        length, or less near its length limits) and how many it accepted; ``drafted``: some
-        sequence had drafts. A step that allowed drafts but had none (prompt lookup found no
-        match) ran as plain decoding whatever the length: it measures neither, or the stretches
-        of a workload without matches would pull every length towards plain decoding."""
-        if seconds <= 0 or not outcomes or (k and not drafted):
+        """A decode step run at ``choice`` took ``seconds``; ``outcomes``: per decoding
+        sequence, the drafts the step allowed it (the length, or less near its length limits)
+        and how many it accepted; ``drafted``: some sequence had drafts. A step that allowed
+        drafts but had none (prompt lookup found no match) ran as plain decoding whatever the
+        length: it measures neither, or the stretches of a workload without matches would
+        pull every length towards plain decoding."""
+        if seconds <= 0 or not outcomes or (choice.length and not drafted):
             return
-        bucket, index = self._bucket(num_seqs), LENGTHS.index(k)
         self._acceptance.add(outcomes)
+        if not choice.timed:
+            return
+        bucket, index = self._bucket(choice.num_seqs), LENGTHS.index(choice.length)
         per_seq = seconds / len(outcomes)
         if index == bucket.current:
-            old = bucket.seconds
-            bucket.seconds = per_seq if old is None else old + _SMOOTHING * (per_seq - old)
+            bucket.recent.append(per_seq)
             return
-        if bucket.seconds is None:  # (a neighbour is tried once the current length has a time)
+        if not bucket.recent:  # (a neighbour is tried once the current length has a time)
             return
-        relative = per_seq / bucket.seconds
-        old = bucket.relative.get(index)
-        bucket.relative[index] = relative if old is None else old + _SMOOTHING * (relative - old)
-        bucket.tries[index] = bucket.tries.get(index, 0) + 1
+        tries = bucket.relative.setdefault(index, deque(maxlen=_TRIES_KEPT))
+        tries.append(per_seq / bucket.seconds())
         gain = self._gain(bucket, index)
         if gain is None:
             return
-        if bucket.tries[index] >= _MIN_TRIES and gain > 1 + _MARGIN:
+        if len(tries) >= _MIN_TRIES and gain > 1 + _MARGIN:
             bucket.move(index)
-        elif gain < 1:
+        elif gain < 1 and len(tries) >= _MIN_TRIES:
             bucket.interval = min(2 * bucket.interval, _MAX_INTERVAL)
 
     def _bucket(self, num_seqs: int) -> _BatchSize:
@@ -170,4 +203,4 @@ class AdaptiveDraftLength:
         current = self._acceptance.tokens(LENGTHS[bucket.current])
         if mine is None or current is None:
             return None
-        return mine / current / bucket.relative[index]
+        return mine / current / bucket.relative_seconds(index)

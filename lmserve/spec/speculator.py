@@ -27,7 +27,7 @@ from lmserve.models.args import ModelArgs
 from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.spec.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength
+from lmserve.spec.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength, DraftChoice
 from lmserve.runner import ModelRunner
 from lmserve.spec.draft_model import DraftModelDrafter, draft_opt
 from lmserve.spec.eagle import EagleDrafter
@@ -89,7 +89,7 @@ class Speculator:
         self._depths: dict[Sequence, int] = {}
         self._asked: dict[Sequence, int] = {}
         self._allowed: dict[Sequence, int] = {}
-        self._choice: Optional[tuple[int, int]] = None
+        self._choice: Optional[DraftChoice] = None
 
     def lookahead(self, seqs: list[Sequence], with_prefill: bool = False) -> list[int]:
         """Draft slots (tree nodes) for this step's decoding sequences: the drafter's nodes as
@@ -105,8 +105,8 @@ class Speculator:
                 return [0] * len(seqs)
             # Chosen before the drafter is asked: a plain decode step (the usual choice of a
             # full batch) then pays for no lookups or draft passes.
-            k = self.adaptive.choose(len(seqs))
-            self._choice = (len(seqs), k)
+            self._choice = self.adaptive.choose(len(seqs))
+            k = self._choice.length
             if k == 0:
                 return [0] * len(seqs)
         self._allowed = {s: min(k, self._cap(s)) for s in seqs}
@@ -155,7 +155,7 @@ class Speculator:
                 for pos in range(accepted):
                     c.accepted_per_pos[pos] += 1
         if batch.draft_choice is not None and decode_only:
-            self.adaptive.observe(*batch.draft_choice, seconds, outcomes, drafted)
+            self.adaptive.observe(batch.draft_choice, seconds, outcomes, drafted)
 
     def _cap(self, seq: Sequence) -> int:
         left = self.max_sequence_length - len(seq.token_ids)
