@@ -21,7 +21,7 @@ from lmserve.cache.radix import RadixCache
 from lmserve.models.builtin import builtin_model_path
 from lmserve.request import Request, Sequence
 from lmserve.scheduler import Batch, ScheduledChunk, Scheduler
-from lmserve.spec.adaptive import AdaptiveDraftLength
+from lmserve.spec.adaptive import AdaptiveDraftLength, DraftChoice
 from lmserve.spec.draft_model import DraftModelDrafter
 from lmserve.spec.ngram import NgramDrafter, draft_depth, propose_ngram
 from lmserve.spec.speculator import Speculator
@@ -234,22 +234,34 @@ def test_the_adaptive_length_holds_the_best_length_through_hard_text_and_a_chang
     assert sum(ratios) / len(ratios) > 0.97
 
 
-def test_a_try_is_timed_after_the_switch_that_a_drafter_which_sat_out_pays_for():
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_try_is_timed_after_the_switch_that_a_drafter_which_sat_out_pays_for(stages):
     """A drafter with state (EAGLE's head, a draft model) catches up on the tokens it skipped
     in its first step after plain decoding: here that step costs 2 plain ones, a drafted step
     in a run of them 1 + 0.2 per draft. Drafts right 34% of the time: one draft a step pays
     (1.34 tokens for 1.2, 1.12x), two do not (1.04x). Timed on its first step, a try of 1 from
     plain decoding cost 2 and the policy stayed at 0 (EAGLE at the default level, one stream:
-    adaptive 1.01x where k=1 ran at 1.11x); a try's first step is not timed."""
-    policy, rng, chosen, previous = AdaptiveDraftLength(start=0), random.Random(0), [], 0
-    for _ in range(2000):
+    adaptive 1.01x where k=1 ran at 1.11x); a try's first step is not timed. With pipeline
+    stages the stages' batches take turns, each with its own sequences and its own switch."""
+    policy = AdaptiveDraftLength(start=0, switch_steps=stages)
+    rng, chosen, previous = random.Random(0), [], [0] * stages
+    for step in range(2000):
         choice = policy.choose(1)
-        k = choice.length
-        took = 1.0 if k == 0 else 2.0 if previous == 0 else 1.0 + 0.2 * k
+        k, stage = choice.length, step % stages
+        took = 1.0 if k == 0 else 2.0 if previous[stage] == 0 else 1.0 + 0.2 * k
         policy.observe(choice, took, [(k, _accepted(rng, 0.34, k))])
         chosen.append(k)
-        previous = k
+        previous[stage] = k
     assert chosen[-500:].count(1) >= 450
+    # A step with no choice (shared with prefill chunks) or of another batch size runs the
+    # try's sequences plain: the try under way is dropped, not timed on a switch.
+    for interruption in ("skip", "other batch size"):
+        policy = AdaptiveDraftLength(start=0, switch_steps=stages)
+        while (choice := policy.choose(1)).timed:
+            policy.observe(choice, 1.0, [(0, 0)])
+        assert choice.length == 1  # a try's first step
+        policy.skip() if interruption == "skip" else policy.choose(16)
+        assert policy.choose(1) == DraftChoice(1, 0)  # the current length, timed
 
 
 def test_steps_without_drafts_do_not_measure_the_length_that_allowed_them():

@@ -18,9 +18,11 @@ of percent here, so both are measured, apart:
   runs one (hill climbing over 0, 1, 2, 3, 4, 6, 8) and takes its time over the current
   length's time then (the median of its latest steps), so a machine that slows down or speeds
   up between tries moves neither length; it moves when the neighbour's goodput (expected tokens
-  over seconds) is better. A try runs two steps and times the second: the first pays for the
-  switch (a drafter that sat out plain decoding catches up on the tokens it skipped), which a
-  length it moved to would pay once.
+  over seconds) is better. A try times its second step: the first pays for the switch (a
+  drafter that sat out plain decoding catches up on the tokens it skipped), which a length it
+  moved to would pay once. (With pipeline stages, one untimed step per stage: their batches
+  hold different sequences. A step in between that runs the try's sequences plain, shared with
+  prefill or of another batch size, drops the try.)
 
 Length 0 is plain decoding, so when drafts do not pay the engine stops drafting, and tries again
 now and then in case the workload changed.
@@ -109,7 +111,6 @@ class _BatchSize:
     interval: int = _FIRST_INTERVAL  # steps between tries of a neighbour
     until_try: int = _FIRST_INTERVAL
     tried_above: bool = False  # which neighbour the last try took
-    trying: Optional[int] = None  # the index of a try's second step, next
 
     def seconds(self) -> Optional[float]:
         return median(self.recent) if self.recent else None
@@ -131,24 +132,42 @@ class _BatchSize:
         self.interval = self.until_try = _FIRST_INTERVAL  # look around the new length often
 
 
+@dataclass
+class _Try:
+    """A try under way: the bucket's key, the length's index, untimed steps still to run."""
+
+    key: int
+    index: int
+    untimed: int
+
+
 class AdaptiveDraftLength:
     """Chooses the draft length of each step (see the module docstring). One to three streams
-    start at ``start`` (the drafter's ``adaptive_start``), larger batches at 0."""
+    start at ``start`` (the drafter's ``adaptive_start``), larger batches at 0. A try runs
+    ``switch_steps`` untimed steps before its timed one: one per pipeline stage, whose batches
+    hold different sequences, each paying for its own switch."""
 
-    def __init__(self, start: int = 1) -> None:
+    def __init__(self, start: int = 1, switch_steps: int = 1) -> None:
         if start not in LENGTHS:
             raise ValueError(f"an adaptive start of {start} drafts is not one of {LENGTHS}")
         self._start = LENGTHS.index(start)
+        self._switch_steps = switch_steps
         self._buckets: dict[int, _BatchSize] = {}
         self._acceptance = _Acceptance()
+        self._trying: Optional[_Try] = None
 
     def choose(self, num_seqs: int) -> DraftChoice:
         """The draft length for a step of ``num_seqs`` decoding sequences (``observe`` takes
         the choice back with the step's measurements)."""
-        bucket = self._bucket(num_seqs)
-        if bucket.trying is not None:
-            index, bucket.trying = bucket.trying, None
-            return DraftChoice(num_seqs, LENGTHS[index])
+        key = _key(num_seqs)
+        bucket, trying = self._bucket(key), self._trying
+        if trying is not None and trying.key == key:
+            if trying.untimed:
+                trying.untimed -= 1
+                return DraftChoice(num_seqs, LENGTHS[trying.index], timed=False)
+            self._trying = None
+            return DraftChoice(num_seqs, LENGTHS[trying.index])
+        self._trying = None  # (a step of another batch size between: its sequences ran plain)
         index = bucket.current
         bucket.until_try -= 1
         if bucket.until_try <= 0 and bucket.recent:  # try a neighbour, in turn
@@ -156,9 +175,14 @@ class AdaptiveDraftLength:
             bucket.tried_above = not bucket.tried_above or index == 0
             index = min(max(index + (1 if bucket.tried_above else -1), 0), len(LENGTHS) - 1)
             if index != bucket.current:
-                bucket.trying = index
+                self._trying = _Try(key, index, self._switch_steps - 1)
                 return DraftChoice(num_seqs, LENGTHS[index], timed=False)
         return DraftChoice(num_seqs, LENGTHS[index])
+
+    def skip(self) -> None:
+        """A step with no choice (prefill chunks share it): its decoding sequences run plain,
+        so a try under way would time a switch again; it is dropped."""
+        self._trying = None
 
     def observe(self, choice: DraftChoice, seconds: float, outcomes: list[tuple[int, int]],
                 drafted: bool = True) -> None:
@@ -173,7 +197,7 @@ class AdaptiveDraftLength:
         self._acceptance.add(outcomes)
         if not choice.timed:
             return
-        bucket, index = self._bucket(choice.num_seqs), LENGTHS.index(choice.length)
+        bucket, index = self._bucket(_key(choice.num_seqs)), LENGTHS.index(choice.length)
         per_seq = seconds / len(outcomes)
         if index == bucket.current:
             bucket.recent.append(per_seq)
@@ -187,11 +211,11 @@ class AdaptiveDraftLength:
             return
         if len(tries) >= _MIN_TRIES and gain > 1 + _MARGIN:
             bucket.move(index)
+            self._trying = None
         elif gain < 1 and len(tries) >= _MIN_TRIES:
             bucket.interval = min(2 * bucket.interval, _MAX_INTERVAL)
 
-    def _bucket(self, num_seqs: int) -> _BatchSize:
-        key = max(num_seqs, 1).bit_length()  # 1, 2-3, 4-7, ...
+    def _bucket(self, key: int) -> _BatchSize:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _BatchSize(current=self._start if key <= 2 else 0)
@@ -204,3 +228,8 @@ class AdaptiveDraftLength:
         if mine is None or current is None:
             return None
         return mine / current / bucket.relative_seconds(index)
+
+
+def _key(num_seqs: int) -> int:
+    """The batch-size bucket of ``num_seqs`` sequences: 1, 2-3, 4-7, ..."""
+    return max(num_seqs, 1).bit_length()

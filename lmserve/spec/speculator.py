@@ -74,9 +74,11 @@ class Speculator:
     (depth): fixed ``k``, or adaptive (k=0, chosen per step by ``AdaptiveDraftLength`` up to
     ``MAX_ADAPTIVE_K``)."""
 
-    def __init__(self, drafter: Drafter, k: int, max_sequence_length: int) -> None:
+    def __init__(self, drafter: Drafter, k: int, max_sequence_length: int,
+                 pipeline_stages: int = 1) -> None:
         self.drafter = drafter
-        self.adaptive = AdaptiveDraftLength(drafter.adaptive_start) if k == 0 else None
+        self.adaptive = AdaptiveDraftLength(drafter.adaptive_start, pipeline_stages) if k == 0 \
+            else None
         self.max_k = k or MAX_ADAPTIVE_K
         self.max_sequence_length = max_sequence_length
         self.counters = SpecCounters(accepted_per_pos=[0] * self.max_k)
@@ -102,6 +104,7 @@ class Speculator:
         k = self.max_k
         if self.adaptive is not None:
             if with_prefill:
+                self.adaptive.skip()
                 return [0] * len(seqs)
             # Chosen before the drafter is asked: a plain decode step (the usual choice of a
             # full batch) then pays for no lookups or draft passes.
@@ -188,4 +191,5 @@ def make_speculator(config: EngineConfig, plan: EnginePlan, target: ModelArgs,
         drafter = EagleDrafter(draft_runner, draft_runner.model.aux_layers, plan.prefill_chunk_size, width)
     else:
         drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size, width, plan.bounded)
-    return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length)
+    return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length,
+                      config.pipeline_parallel_stages or 1)
