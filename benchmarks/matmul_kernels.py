@@ -3,8 +3,8 @@
 For each layer shape (q/k/v, o, gate/up, down with 4-bit blocks; the head with 8-bit blocks) and
 rows M (1: decode of one stream, 16: a decode batch, 256: a prefill chunk), times lmserve's
 block kernel with each activation type (int8 and int16 in kernels/int8_gemm.cpp; bfloat16 and
-float32 as bf16 hi + lo in kernels/block_gemm.cpp) against torch's own matmul on the same weights
-dequantized (float32 and bfloat16, oneDNN). Also prints each one's error against a float64
+float32 as bf16 hi + lo in kernels/block_gemm.cpp), and O0's float32 kernel on the weights
+dequantized (kernels/dense_gemm.cpp), against torch's own matmul on those (float32 and bfloat16). Also prints each one's error against a float64
 matmul of the exact weights, relative to the output's largest value, on activations with an
 outlier channel (as LLM hidden states have). Random weights quantized by the gguf package to the
 file's types (Q4_1 layers, Q8_0 head), read as the engine reads them.
@@ -49,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"{torch.get_num_threads()} threads; GFLOP/s (error vs float64, relative to max |y|)")
-    names = [f"lmserve {a}" for a in ACTS] + ["torch float32", "torch bfloat16"]
+    names = [f"lmserve {a}" for a in ACTS] + ["lmserve dense float32", "torch float32", "torch bfloat16"]
     print(f"{'shape':22} {'M':>4}  " + "  ".join(f"{n:>22}" for n in names))
     rng = np.random.default_rng(0)
     for label, n, k, gguf_type in SHAPES:
@@ -64,7 +64,8 @@ def main() -> None:
             ref = x.double() @ dense.double().T
             runs = {f"lmserve {a}": (lambda a=a: layers[a](x.bfloat16() if a == "bfloat16" else x))
                     for a in ACTS}
-            runs["lmserve float32"] = lambda: dense_linear(x, dense, None)  # O0's (dense_gemm.cpp)
+            runs["lmserve dense float32"] = lambda: dense_linear(x, dense, None)  # O0's (dense_gemm.cpp)
+            runs["torch float32"] = lambda: F.linear(x, dense)
             runs["torch bfloat16"] = lambda: F.linear(x.bfloat16(), dense16)
             cells = []
             for name in names:
