@@ -55,6 +55,11 @@ class OptFlags:
     act_dtype: ActDtype = "float32"
     # the same for the MLP (gate/up, down: three quarters of a layer's weights); None = act_dtype
     mlp_act_dtype: Optional[ActDtype] = None
+    # the same for the MLP's gate/up projection alone (half of a layer's weights); None =
+    # mlp_act_dtype. A knob given without these narrower ones sets them too: act_dtype the MLP's
+    # and gate/up's, mlp_act_dtype gate/up's. One tensor type through the MLP: int8, int16 and
+    # float32 mix, bfloat16 goes alone.
+    gate_up_act_dtype: Optional[ActDtype] = None
     # torch_native: torch ops throughout. cpu_paged: lmserve's C++ kernels for attention and the
     # element-wise layer ops (residual + RMSNorm, SiLU * up).
     attention: AttentionKernel = "torch_native"
@@ -76,9 +81,11 @@ class OptFlags:
 # From O1 on the KV cache is bfloat16. O1 holds the
 # weights in bfloat16 (bf16 activations). O2 (the default) multiplies a GGUF file's own 4-/8-bit
 # blocks (no re-rounding) with activations quantized to two int8 digits per block (int16): more
-# precise than bf16 activations and faster, with integer dot products. O3 uses one int8 digit
-# (llama.cpp's choice) and an int8 KV cache (half the bytes for decode's attention to read):
-# fastest, and greedy output diverges from O0 sooner.
+# precise than bf16 activations and faster, with integer dot products; into the MLP's gate/up
+# one digit, half that work on half the weights: the fastest mix that meets the quality bar of
+# docs/performance.md (two digits everywhere is "O2;mlp_act_dtype=int16"). O3 uses one int8
+# digit everywhere (llama.cpp's choice) and an int8 KV cache (half the bytes for decode's
+# attention to read): fastest, and further from O0.
 # (weight_dtype=int4 rounds every weight to 4 bits: for files that are not 4-bit already.)
 # Every level computes each token the same way whatever its batch company, so greedy output does
 # not depend on batching.
@@ -87,7 +94,8 @@ _DENSE_WEIGHTS = ("float32", "float16")  # weight formats held as torch tensors 
 OPT_LEVELS: dict[str, OptFlags] = {
     "O0": OptFlags(attention="cpu_paged"),
     "O1": OptFlags(weight_dtype=_BF16, kv_dtype=_BF16, act_dtype=_BF16, attention="cpu_paged"),
-    "O2": OptFlags(weight_dtype="native", kv_dtype=_BF16, act_dtype="int16", attention="cpu_paged"),
+    "O2": OptFlags(weight_dtype="native", kv_dtype=_BF16, act_dtype="int16", gate_up_act_dtype="int8",
+                   attention="cpu_paged"),
     "O3": OptFlags(weight_dtype="native", kv_dtype="int8", act_dtype="int8", attention="cpu_paged"),
 }
 DEFAULT_OPT_LEVEL = "O2"  # what ``opt=None`` means
@@ -103,6 +111,7 @@ _KNOB_VALUES: dict[str, dict[str, Any]] = {
     "kv_dtype": {**_DTYPE_ALIASES, "int8": "int8"},
     "act_dtype": _ACT_ALIASES,
     "mlp_act_dtype": _ACT_ALIASES,
+    "gate_up_act_dtype": _ACT_ALIASES,
     "attention": {a: a for a in get_args(AttentionKernel)},
     "compile": {"0": False, "1": True, "false": False, "true": True},
     "draft_opt": {level.lower(): level for level in OPT_LEVELS},
@@ -152,10 +161,19 @@ def parse_opt(opt: Optional[str]) -> OptFlags:
             valid = ", ".join(choices)
             raise ValueError(f"opt: invalid value {value!r} for knob {name!r}; valid: {valid}")
         updates[name] = choices[value.lower()]
+    # A wider activation knob sets the narrower ones it is given without.
+    for wide, narrow in (("act_dtype", "mlp_act_dtype"), ("mlp_act_dtype", "gate_up_act_dtype")):
+        if wide in updates:
+            updates.setdefault(narrow, None)
     compiled_attention = bool(updates.get("compile")) and "attention" not in updates
     if compiled_attention:
         updates["attention"] = "torch_native"  # what compile=1 compiles (O0's is the C++ kernel)
     flags = dataclasses.replace(OPT_LEVELS[level], **updates)
+    mlp = flags.mlp_act_dtype or flags.act_dtype
+    if (flags.gate_up_act_dtype or mlp) != mlp and _BF16 in (flags.gate_up_act_dtype, mlp):
+        raise ValueError(f"opt: gate_up_act_dtype={flags.gate_up_act_dtype} and the MLP's {mlp} "
+                         f"in {opt!r}: one tensor type runs through the MLP, so bfloat16 "
+                         f"activations go into all of it or none")
     if flags.kv_dtype == "int8" and flags.attention != "cpu_paged":
         why = " (compile=1 selects it)" if compiled_attention else ""
         raise ValueError(f"opt: kv_dtype=int8 needs attention=cpu_paged (the C++ kernel reads it), "

@@ -94,7 +94,8 @@ class EnginePlan:
     weight_dtype: str  # how matmul weights are held (the opt level's weight format)
     kv_dtype: str
     act_dtype: str  # dtype of activations entering the attention projections and the head
-    mlp_act_dtype: str  # ... entering the MLP
+    mlp_act_dtype: str  # ... entering the MLP's down projection
+    gate_up_act_dtype: str  # ... entering its gate/up projection
     attention: str  # attention backend
     compile: bool  # the layers' torch ops compiled (opt compile=1)
     speculative: str  # the drafter and draft tokens per sequence and step, or "off"
@@ -268,7 +269,9 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
            window if bounded else None, held * page, recurrent_only)
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
                       opt.weight_dtype, kv_dtypes[0], opt.act_dtype,
-                      opt.mlp_act_dtype or opt.act_dtype, opt.attention, opt.compile,
+                      opt.mlp_act_dtype or opt.act_dtype,
+                      opt.gate_up_act_dtype or opt.mlp_act_dtype or opt.act_dtype,
+                      opt.attention, opt.compile,
                       _speculative(config, models), kv_dtypes[1] if draft_args else None,
                       window, window_layers, held, state, memory, layers_of_stages)
 

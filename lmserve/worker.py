@@ -19,7 +19,8 @@ from lmserve.config import OptFlags
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.fused import FusedOps, TorchOps
 from lmserve.layers.ssm_kernels import SSMKernels
-from lmserve.layers.linear import FLOAT_DTYPES, resolve_act_dtype, resolve_weight_format
+from lmserve.layers.linear import (FLOAT_DTYPES, resolve_act_dtype, resolve_mlp_acts,
+                                   resolve_weight_format)
 from lmserve.models.args import ModelArgs
 from lmserve.models.loader import load_weights
 from lmserve.models.llama import LlamaModel
@@ -50,7 +51,7 @@ def prepare_model(model_path: str, args: ModelArgs, opt: OptFlags,
         weights = shard_weights(weights, args, shard)
         args = shard_args(args, shard.size)
     act = resolve_act_dtype(opt.act_dtype)
-    mlp_act = resolve_act_dtype(opt.mlp_act_dtype) if opt.mlp_act_dtype else act
+    mlp_act = resolve_mlp_acts(opt.gate_up_act_dtype, opt.mlp_act_dtype, act)
     return model_class(args.architecture)(args, weights, weight_format, act, mlp_act, head, layers)
 
 

@@ -249,3 +249,19 @@ def test_float32_dense_rows_without_the_kernel_go_through_onednn(monkeypatch):
     torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer(x[:1]), ref[:1], rtol=1e-5, atol=1e-5)
     assert not layer.packable(torch.float32)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_mlp_activations_keep_one_tensor_type_when_the_int8_kernel_is_missing(monkeypatch, kernel):
+    """O2's mix (one digit into gate/up, two into down): as asked with the int8 kernel; without
+    it int8 would fall back to bfloat16 and int16 to float32, so gate/up takes down's float32."""
+    import lmserve.layers.linear as linear
+
+    if not kernel:
+        monkeypatch.setattr(linear, "int8_kernel_unavailable", lambda: "no compiler (simulated)")
+    elif linear.int8_kernel_unavailable():
+        pytest.skip(f"C++ int8 kernel unavailable: {linear.int8_kernel_unavailable()}")
+    acts = linear.resolve_mlp_acts("int8", None, linear.resolve_act_dtype("int16"))
+    assert acts == (("int8", "int16") if kernel else ("float32", "float32"))
+    assert linear.resolve_mlp_acts(None, "int8", "int16") == (("int8", "int8") if kernel else ("bfloat16", "bfloat16"))
+    assert linear.resolve_mlp_acts(None, None, "bfloat16") == ("bfloat16", "bfloat16")

@@ -203,10 +203,13 @@ def test_default_opt_is_level_o2():
     assert parse_opt(None) == parse_opt("") == parse_opt("O2") == OPT_LEVELS["O2"]
 
 
-def _flags(weights, kv, attention="cpu_paged", compile=False, act=None, mlp=None):
+def _flags(weights, kv, attention="cpu_paged", compile=False, act=None, mlp=None, gate_up=None):
     act = act or {"native": "int16", "float32": "float32"}.get(weights, "bfloat16")
     return OptFlags(weight_dtype=weights, kv_dtype=kv, act_dtype=act, mlp_act_dtype=mlp,
-                    attention=attention, compile=compile)
+                    gate_up_act_dtype=gate_up, attention=attention, compile=compile)
+
+
+_O2 = {"gate_up": "int8"}  # O2's one digit into gate/up
 
 
 @pytest.mark.parametrize(
@@ -214,7 +217,7 @@ def _flags(weights, kv, attention="cpu_paged", compile=False, act=None, mlp=None
     [
         ("O0", _flags("float32", "float32")),
         ("O1", _flags("bfloat16", "bfloat16")),
-        ("O2", _flags("native", "bfloat16")),
+        ("O2", _flags("native", "bfloat16", **_O2)),
         ("O3", _flags("native", "int8", act="int8")),
     ],
 )
@@ -226,17 +229,22 @@ def test_levels(level, expected):
     "opt, expected",
     [
         # Knobs without a level adjust the default level, O2.
-        ("weight_dtype=bfloat16;compile=0", _flags("bfloat16", "bfloat16", act="int16")),
-        ("kv_dtype=float16", _flags("native", "float16")),
+        ("weight_dtype=bfloat16;compile=0", _flags("bfloat16", "bfloat16", act="int16", **_O2)),
+        ("kv_dtype=float16", _flags("native", "float16", **_O2)),
         ("O0;compile=1", _flags("float32", "float32", "torch_native", compile=True)),
         ("O0;compile=true", _flags("float32", "float32", "torch_native", compile=True)),
         ("O0;weight_dtype=f16;compile=1", _flags("float16", "float32", "torch_native", compile=True, act="float32")),
-        ("O2;kv_dtype=float32", _flags("native", "float32")),
+        ("O2;kv_dtype=float32", _flags("native", "float32", **_O2)),
+        # A wider activation knob sets the narrower ones it comes without.
         ("O2;mlp_act_dtype=fp32", _flags("native", "bfloat16", mlp="float32")),
+        ("O2;mlp_act_dtype=int16", _flags("native", "bfloat16", mlp="int16")),  # O2 before
+        ("O2;act_dtype=int8", _flags("native", "bfloat16", act="int8")),
+        ("O2;act_dtype=int8;gate_up_act_dtype=int16", _flags("native", "bfloat16", act="int8", gate_up="int16")),
+        ("O3;gate_up_act_dtype=fp32", _flags("native", "int8", act="int8", gate_up="float32")),
         (" O0 ; weight_dtype = float16 ; ", _flags("float16", "float32", act="float32")),
         ("O0;attention=torch_native", _flags("float32", "float32", "torch_native")),
         # the issue's spelling: short dtype names
-        ("weight_dtype=int4;kv_dtype=bf16", _flags("int4", "bfloat16", act="int16")),
+        ("weight_dtype=int4;kv_dtype=bf16", _flags("int4", "bfloat16", act="int16", **_O2)),
         ("O0;attention=cpu_paged;weight_dtype=int8", _flags("int8", "float32", act="float32")),
         ("O2;act_dtype=bf16", _flags("native", "bfloat16", act="bfloat16")),
         ("O3;mlp_act_dtype=int16", _flags("native", "int8", act="int8", mlp="int16")),
@@ -251,7 +259,11 @@ def test_knobs_adjust_the_level(opt, expected):
     "opt, pieces",
     [
         ("O7", ["'O7'", "O0, O1, O2, O3"]),
-        ("fast=1", ["'fast'", "act_dtype, attention, compile, draft_opt, kv_dtype, mlp_act_dtype, weight_dtype"]),
+        ("fast=1", ["'fast'", "act_dtype, attention, compile, draft_opt, gate_up_act_dtype, kv_dtype, "
+                              "mlp_act_dtype, weight_dtype"]),
+        # one tensor type through the MLP
+        ("O2;gate_up_act_dtype=bf16", ["gate_up_act_dtype=bfloat16", "the MLP's int16", "all of it or none"]),
+        ("O1;gate_up_act_dtype=int8", ["gate_up_act_dtype=int8", "the MLP's bfloat16"]),
         ("act_dtype=float16", ["'float16'", "'act_dtype'"]),
         ("compile=yes", ["'yes'", "'compile'", "0, 1, false, true"]),
         ("weight_dtype=int3", ["'int3'", "'weight_dtype'", "bfloat16", "int8, int4, native"]),

@@ -79,6 +79,9 @@ def test_layer_calls_match_the_python_loop_bit_for_bit(models, source, opt, wind
         else:
             digits = {"O1": 0, "O2": 2, "O3": 1}[opt] if source.startswith("gguf") else 0
             assert all(isinstance(m, BlockLinear) and m.digits == digits for m in linears)
+            # O2's gate/up takes one digit
+            gate_ups = [layer.gate_up for layer in engine._core.runner.model.layers]
+            assert all(m.digits == min(digits, 1) for m in gate_ups)
     finally:
         engine.shutdown()
 

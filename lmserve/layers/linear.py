@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,18 @@ BLOCK_FORMATS = {"int4": 4, "int8": 8, "bfloat16": 16}
 INT_ACT_DIGITS = {"int8": 1, "int16": 2}
 ACT_TENSOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                      **{name: torch.float32 for name in INT_ACT_DIGITS}}
+
+
+class MlpActs(NamedTuple):
+    """The activations entering the MLP's gate/up and down projections (``opt``'s
+    gate_up_act_dtype and mlp_act_dtype as this machine runs them), of one tensor type."""
+
+    gate_up: str
+    down: str
+
+    @property
+    def dtype(self) -> torch.dtype:  # the MLP's tensors
+        return ACT_TENSOR_DTYPES[self.gate_up]
 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
@@ -327,3 +339,12 @@ def resolve_act_dtype(act: str) -> str:
     logger.warning("%s activations need the C++ int8 kernel, which is unavailable (%s); using %s",
                    act, reason, fallback)
     return fallback
+
+
+def resolve_mlp_acts(gate_up: Optional[str], mlp: Optional[str], act: str) -> MlpActs:
+    """The MLP's activations from ``opt``'s gate_up_act_dtype and mlp_act_dtype (None: the
+    wider one's) over the resolved ``act``, as this machine runs them; where the int8 kernel is
+    missing, int8 and int16 fall back to different dtypes, and gate/up then takes down's."""
+    down = resolve_act_dtype(mlp) if mlp else act
+    up = resolve_act_dtype(gate_up) if gate_up else down
+    return MlpActs(up if ACT_TENSOR_DTYPES[up] == ACT_TENSOR_DTYPES[down] else down, down)

@@ -23,7 +23,7 @@ from lmserve.layers.blocks import BlockWeight
 from lmserve.layers.call_list import THREADS, Arg, CallList, Slot, call_lists_available
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.fused import FusedOps, TorchOps
-from lmserve.layers.linear import ACT_TENSOR_DTYPES, Weight, make_linear
+from lmserve.layers.linear import ACT_TENSOR_DTYPES, MlpActs, Weight, make_linear
 from lmserve.layers.rotary import RotaryEmbedding, partial_rotary_order
 from lmserve.layers.ssm import StateMeta
 from lmserve.layers.ssm_kernels import SSMKernels
@@ -78,11 +78,11 @@ class LlamaLayer:
 
     The residual stream stays float32; matmul inputs are ``act`` (float32 on the reference
     path; bfloat16, or int8 quantized inside the matmul, on the fast ones) into q/k/v and o, and
-    ``mlp_act`` into the MLP, so rounding does not pile up over the layers.
+    ``mlp_act`` into the MLP's two projections, so rounding does not pile up over the layers.
     """
 
     def __init__(self, args: ModelArgs, w: dict[str, Weight], prefix: str, fmt: str, act: str,
-                 mlp_act: str, kv_index: int):
+                 mlp_act: MlpActs, kv_index: int):
         """``kv_index``: this layer's place among the model's attention layers (its KV)."""
         def get(name: str) -> Weight:
             return w[prefix + name]
@@ -105,12 +105,12 @@ class LlamaLayer:
         # Llama configs with attention_bias=True also have an o_proj bias
         self.o = make_linear([get(attn + "o_proj.weight")], w.get(prefix + attn + "o_proj.bias"), fmt, act)
         self.gate_up = make_linear([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], None, fmt,
-                                   mlp_act)
-        self.down = make_linear([get("mlp.down_proj.weight")], None, fmt, mlp_act)
+                                   mlp_act.gate_up)
+        self.down = make_linear([get("mlp.down_proj.weight")], None, fmt, mlp_act.down)
         self.norm1 = get("input_layernorm.weight").float()
         self.norm2 = get("post_attention_layernorm.weight").float()
         self.dtype = ACT_TENSOR_DTYPES[act]  # into q/k/v (and so into o: attention returns qkv's dtype)
-        self.mlp_dtype = ACT_TENSOR_DTYPES[mlp_act]  # into gate/up (and so into down)
+        self.mlp_dtype = mlp_act.dtype  # into gate/up (and so into down)
         self.eps = args.rms_norm_eps
 
     def __call__(self, x: torch.Tensor, delta: Optional[torch.Tensor], ctx: ForwardContext,
@@ -182,11 +182,11 @@ class LlamaModel:
     """The whole decoder: embedding, layers, final norm and the language-model head."""
 
     def __init__(self, args: ModelArgs, weights: dict[str, Weight], weight_format: str,
-                 act_dtype: str, mlp_act_dtype: Optional[str] = None, head: bool = True,
+                 act_dtype: str, mlp_act: Optional[MlpActs] = None, head: bool = True,
                  layers: Optional[range] = None):
         """``weight_format``: how matmul weights are held, see ``make_linear``; ``act_dtype``:
         activations entering the attention projections and the head (float32, bfloat16, int8);
-        ``mlp_act_dtype``: entering the MLP (None: act_dtype); ``head``: build the
+        ``mlp_act``: entering the MLP's projections (None: act_dtype); ``head``: build the
         language-model head (not on a parallel rank that never samples); ``layers``: a
         pipeline stage's (None: all), whose KV and state are then the stage's own."""
         self.args = args
@@ -198,7 +198,7 @@ class LlamaModel:
         if embed is not None:
             dense_embed = embed.dequantize() if isinstance(embed, BlockWeight) else embed
             self.embed = dense_embed.to(self.dtype)  # (V, D), looked up by token id
-        mlp_act = mlp_act_dtype or act_dtype
+        mlp_act = mlp_act or MlpActs(act_dtype, act_dtype)
         attention, recurrent = args.attention_layers, args.ssm_layers
         before = self.layer_ids.start  # layers of earlier stages: not in this one's KV and state
         self.layers: list[Union[LlamaLayer, MixerLayer]] = [
