@@ -45,12 +45,12 @@ def scored(engine: Engine, prompt: list[int]) -> list[tuple]:
 
 @pytest.mark.parametrize("opt", ["O0", "O1", "O3", "O2;act_dtype=float32;kv_dtype=float32"])
 def test_every_level_computes_a_token_alike_whatever_its_batch_company(chat_prompts, opt):
-    """The default level (O2, int16 activations) is covered above for tokens; here every level's
-    logprobs too, bit for bit, so a last-bit difference shows before it flips a token: float32
-    weights, activations and KV in lmserve's float32 matmul and attention kernels (O0), bf16
-    weights (O1), int8 activations and an int8 KV cache (O3), the bf16 kernel on 4-bit blocks
-    with float32 activations and float32 KV. (The torch path's compiled graphs:
-    ``test_reference``, alone and together.)"""
+    """The default level (O2: int16 activations, int8 into gate/up) is covered above for
+    tokens; here every level's logprobs too, bit for bit, so a last-bit difference shows before
+    it flips a token: float32 weights, activations and KV in lmserve's float32 matmul and
+    attention kernels (O0), bf16 weights (O1), int8 activations and an int8 KV cache (O3), the
+    bf16 kernel on 4-bit blocks with float32 activations and float32 KV. (The torch path's
+    compiled graphs: ``test_reference``, alone and together.)"""
     engine = Engine(opt=opt, max_num_sequence=8, prefill_chunk_size=64, verbose=False)
     try:
         alone = [scored(engine, p) for p in chat_prompts[:4]]
