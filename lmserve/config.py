@@ -60,6 +60,11 @@ class OptFlags:
     # and gate/up's, mlp_act_dtype gate/up's. One tensor type through the MLP: int8, int16 and
     # float32 mix, bfloat16 goes alone.
     gate_up_act_dtype: Optional[ActDtype] = None
+    def mlp_act_dtypes(self) -> tuple[ActDtype, ActDtype]:
+        """The activations asked for into the MLP's gate/up and its down projection."""
+        down = self.mlp_act_dtype or self.act_dtype
+        return self.gate_up_act_dtype or down, down
+
     # torch_native: torch ops throughout. cpu_paged: lmserve's C++ kernels for attention and the
     # element-wise layer ops (residual + RMSNorm, SiLU * up).
     attention: AttentionKernel = "torch_native"
@@ -169,9 +174,9 @@ def parse_opt(opt: Optional[str]) -> OptFlags:
     if compiled_attention:
         updates["attention"] = "torch_native"  # what compile=1 compiles (O0's is the C++ kernel)
     flags = dataclasses.replace(OPT_LEVELS[level], **updates)
-    mlp = flags.mlp_act_dtype or flags.act_dtype
-    if (flags.gate_up_act_dtype or mlp) != mlp and _BF16 in (flags.gate_up_act_dtype, mlp):
-        raise ValueError(f"opt: gate_up_act_dtype={flags.gate_up_act_dtype} and the MLP's {mlp} "
+    gate_up, mlp = flags.mlp_act_dtypes()
+    if gate_up != mlp and _BF16 in (gate_up, mlp):
+        raise ValueError(f"opt: gate_up_act_dtype={gate_up} and the MLP's {mlp} "
                          f"in {opt!r}: one tensor type runs through the MLP, so bfloat16 "
                          f"activations go into all of it or none")
     if flags.kv_dtype == "int8" and flags.attention != "cpu_paged":

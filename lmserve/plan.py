@@ -267,11 +267,10 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
                              f"draft ({deepest} tokens): a draft sees its whole path")
     _check(context, memory, total, single, chunk, util, draft_args is not None,
            window if bounded else None, held * page, recurrent_only)
+    gate_up_act, down_act = opt.mlp_act_dtypes()
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
                       opt.weight_dtype, kv_dtypes[0], opt.act_dtype,
-                      opt.mlp_act_dtype or opt.act_dtype,
-                      opt.gate_up_act_dtype or opt.mlp_act_dtype or opt.act_dtype,
-                      opt.attention, opt.compile,
+                      down_act, gate_up_act, opt.attention, opt.compile,
                       _speculative(config, models), kv_dtypes[1] if draft_args else None,
                       window, window_layers, held, state, memory, layers_of_stages)
 

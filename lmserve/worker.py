@@ -51,7 +51,7 @@ def prepare_model(model_path: str, args: ModelArgs, opt: OptFlags,
         weights = shard_weights(weights, args, shard)
         args = shard_args(args, shard.size)
     act = resolve_act_dtype(opt.act_dtype)
-    mlp_act = resolve_mlp_acts(opt.gate_up_act_dtype, opt.mlp_act_dtype, act)
+    mlp_act = resolve_mlp_acts(*opt.mlp_act_dtypes())
     return model_class(args.architecture)(args, weights, weight_format, act, mlp_act, head, layers)
 
 

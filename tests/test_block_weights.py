@@ -261,7 +261,6 @@ def test_mlp_activations_keep_one_tensor_type_when_the_int8_kernel_is_missing(mo
         monkeypatch.setattr(linear, "int8_kernel_unavailable", lambda: "no compiler (simulated)")
     elif linear.int8_kernel_unavailable():
         pytest.skip(f"C++ int8 kernel unavailable: {linear.int8_kernel_unavailable()}")
-    acts = linear.resolve_mlp_acts("int8", None, linear.resolve_act_dtype("int16"))
-    assert acts == (("int8", "int16") if kernel else ("float32", "float32"))
-    assert linear.resolve_mlp_acts(None, "int8", "int16") == (("int8", "int8") if kernel else ("bfloat16", "bfloat16"))
-    assert linear.resolve_mlp_acts(None, None, "bfloat16") == ("bfloat16", "bfloat16")
+    assert linear.resolve_mlp_acts("int8", "int16") == (("int8", "int16") if kernel else ("float32", "float32"))
+    assert linear.resolve_mlp_acts("int8", "int8") == (("int8", "int8") if kernel else ("bfloat16", "bfloat16"))
+    assert linear.resolve_mlp_acts("bfloat16", "bfloat16") == ("bfloat16", "bfloat16")

@@ -341,10 +341,10 @@ def resolve_act_dtype(act: str) -> str:
     return fallback
 
 
-def resolve_mlp_acts(gate_up: Optional[str], mlp: Optional[str], act: str) -> MlpActs:
-    """The MLP's activations from ``opt``'s gate_up_act_dtype and mlp_act_dtype (None: the
-    wider one's) over the resolved ``act``, as this machine runs them; where the int8 kernel is
-    missing, int8 and int16 fall back to different dtypes, and gate/up then takes down's."""
-    down = resolve_act_dtype(mlp) if mlp else act
-    up = resolve_act_dtype(gate_up) if gate_up else down
+def resolve_mlp_acts(gate_up: str, down: str) -> MlpActs:
+    """The MLP's activations (``OptFlags.mlp_act_dtypes``) as this machine runs them; where
+    the int8 kernel is missing, int8 and int16 fall back to different dtypes, and gate/up then
+    takes down's."""
+    down = resolve_act_dtype(down)
+    up = resolve_act_dtype(gate_up) if gate_up != down else down
     return MlpActs(up if ACT_TENSOR_DTYPES[up] == ACT_TENSOR_DTYPES[down] else down, down)
