@@ -42,6 +42,7 @@ from lmserve.layers.linear import BlockLinear
 KERNELS = Path("lmserve/kernels")
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = 30
+FLUSH_BYTES = 128 << 20  # four times the L3 of the machines here
 GEMM_SHAPES = [(3072, 576), (576, 1536), (960, 576), (576, 576)]  # gate/up, down, q/k/v, o
 H, KVH, HD, PAGE = 9, 3, 64, 16  # SmolLM2-135M
 ATTENTION_BATCHES = [("prefill 256", [256], [256]), ("decode 16 x 325", [1] * 16, [325] * 16),
@@ -70,13 +71,21 @@ def build(kernel: str, rev: str, into: Path) -> ctypes.CDLL:
 
 def interleaved(builds: dict, cases: list, run, reps: int) -> dict:
     """Median seconds of ``run(build, lib, case)`` per (build, case), the builds alternating rep
-    by rep."""
+    by rep, each rep in another order, each call after the caches were flushed.
+
+    Without the flush a build ran on what the build before it left in the 32 MiB L3 (a small
+    matrix's 30 copies fit it whole): the second build of two timed 8-25% faster than the first
+    with both the same code (Zen 4, int8_gemm at 1-16 rows), where in a model every layer's
+    weights come from memory."""
     times = {(b, c): [] for b in builds for c in range(len(cases))}
-    for _ in range(reps):
+    names = list(builds)
+    flush = torch.empty(FLUSH_BYTES // 4)
+    for rep in range(reps):
         for c, case in enumerate(cases):
-            for b, lib in builds.items():
+            for b in names[rep % len(names):] + names[:rep % len(names)]:
+                flush.fill_(rep)  # writes every line, evicting the kernel's data from every level
                 start = time.perf_counter()
-                run(b, lib, case)
+                run(b, builds[b], case)
                 times[(b, c)].append(time.perf_counter() - start)
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -101,6 +110,7 @@ def gemm(builds: dict, rows: list[int], digits: int, reps: int) -> None:
         for c, (n, k, x, out) in enumerate(cases):
             results = {}
             for b, lib in builds.items():
+                out.fill_(float("nan"))  # a build that leaves an element unwritten is not "same"
                 run(b, lib, (n, k, x, out))  # the last layer's output, kept per build
                 results[b] = out.clone()
             same = all(torch.equal(results[b], results[first]) for b in builds)

@@ -366,13 +366,12 @@ void strip_rows(const Args& p, int m0, int m_end, int j0, int next_j) {
 
 // Tiles of MR rows x NR groups of 16 columns. The tile shape never changes the arithmetic of an
 // output element, so choosing it by M keeps rows batch-invariant. With one chunk of rows (decode)
-// each strip asks for the weights of the strip after next in L2 as it goes: a strip of few rows is
-// done before the hardware prefetcher, which stops at every 4 KiB page, has brought the next from
-// memory (benchmarks/kernel_ab.py int8_gemm: a layer's matmuls over 16 rows take 19% less time,
-// 14% with two digits, over 1 row 22%; with more chunks the prefetcher keeps up, or later chunks
-// find the weights in L2, and asking would cost 2-4%). Asking for the next strip was too late
-// for the memory's latency: two ahead took another 20-22% off 1-4 rows with one digit, 13-16%
-// with two, 4% off 16 rows (Zen 4; three ahead gained no more).
+// each strip asks for the next one's weights in L2 as it goes: a strip of few rows is done before
+// the hardware prefetcher, which stops at every 4 KiB page, has brought the next from memory
+// (benchmarks/kernel_ab.py int8_gemm, Zen 4: a layer's matmuls over 1, 4 and 16 rows take 15%,
+// 22-25% and 10% less time than asking for nothing, one digit or two; asking for the strip after
+// next instead is 0-5% slower than this; with more chunks the prefetcher keeps up, or later
+// chunks find the weights in L2, and asking would cost 2-4%).
 template <int BITS, int DIGITS, int MR, int NR>
 void gemm_tiles(const Args& p) {
   const int groups = (p.N + 15) / 16, strips = (groups + NR - 1) / NR;
@@ -382,8 +381,7 @@ void gemm_tiles(const Args& p) {
     for (int s = 0; s < strips; ++s) {
       const int j0 = s * NR, m0 = c * kMC, m_end = std::min(p.M, m0 + kMC);
       if (j0 + NR <= groups)
-        strip_rows<BITS, DIGITS, MR, NR>(p, m0, m_end, j0,
-                                         chunks == 1 && j0 + 3 * NR <= groups ? j0 + 2 * NR : -1);
+        strip_rows<BITS, DIGITS, MR, NR>(p, m0, m_end, j0, chunks == 1 && j0 + 2 * NR <= groups ? j0 + NR : -1);
       else
         for (int j = j0; j < groups; ++j) strip_rows<BITS, DIGITS, MR, 1>(p, m0, m_end, j, -1);
     }
