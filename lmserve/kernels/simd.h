@@ -212,21 +212,40 @@ inline I16 dpbusd(I16 acc, B64 u, B64 s) {
   return _mm512_add_epi32(dpbusd_small(acc, _mm512_and_si512(u, nib), s), hi);
 }
 #endif
-// Dot products of nibble codes (u < 16) with signed bytes, summed in an N16 until widened to
-// I16: where dpbusd is emulated, vpmaddubsw's 16-bit pair sums (at most 2 * 15 * 128 = 3840)
-// add up in 16 bits for up to 8 products, and one vpmaddwd widens them; where it is an
-// instruction, N16 is I16. The same integers either way.
+// Dot products of nibble codes (u < 16) with signed bytes, a register at a time (see kRegs
+// below): where dpbusd is emulated, vpmaddubsw's 16-bit pair sums (at most 2 * 15 * 128 = 3840)
+// add up in 16 bits for up to 8 products, and one vpmaddwd widens them to 32; where it is an
+// instruction, the accumulator holds 32-bit sums throughout. The same integers either way.
 #if defined(__AVX512VNNI__)
-using N16 = I16;
-inline N16 nzero() { return _mm512_setzero_si512(); }
-inline N16 dot_nibbles(N16 acc, B64 u, B64 s) { return dpbusd(acc, u, s); }
-inline I16 widen(N16 acc) { return acc; }
+inline I16 ir_dot_nibbles(I16 acc, B64 u, B64 s) { return dpbusd(acc, u, s); }
+inline I16 ir_widen(I16 acc) { return acc; }
 #else
-using N16 = __m512i;  // 32 int16 pair sums
-inline N16 nzero() { return _mm512_setzero_si512(); }
-inline N16 dot_nibbles(N16 acc, B64 u, B64 s) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s)); }
-inline I16 widen(N16 acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+inline I16 ir_dot_nibbles(I16 acc, B64 u, B64 s) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s)); }
+inline I16 ir_widen(I16 acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
 #endif
+// A register of a vector and its operations, under the names the other ISAs' sections give
+// theirs: kernels that keep many accumulators work on one register of their vectors at a time
+// (kRegs of them, kLanes lanes each), so the accumulators fit the register file. Here a vector
+// is one register.
+constexpr int kRegs = 1;
+constexpr int kLanes = 16;
+using IR = I16;
+using FR = F16;
+inline FR& reg(F16& v, int) { return v; }
+inline IR ir_set(int32_t x) { return iset(x); }
+inline IR ir_set8(uint8_t x) { return bset8(x); }
+inline IR ir_load(const void* p) { return bload(p); }
+inline IR ir_and(IR a, IR b) { return band(a, b); }
+inline IR ir_shr16_4(IR a) { return _mm512_srli_epi16(a, 4); }
+inline IR ir_add(IR a, IR b) { return iadd(a, b); }
+template <int N> inline IR ir_shl(IR a) { return ishl<N>(a); }
+inline IR ir_dpbusd(IR acc, IR u, IR s, bool full) { return full ? dpbusd(acc, u, s) : dpbusd_small(acc, u, s); }
+inline FR fr_set(float x) { return fset(x); }
+inline FR fr_load(const float* p) { return fload(p); }
+inline FR fr_load_f16(const uint16_t* p) { return fload_f16(p); }
+inline FR fr_from_int(IR v) { return to_float(v); }
+inline FR fr_mul(FR a, FR b) { return fmul(a, b); }
+inline FR fr_fmadd(FR a, FR b, FR c) { return fmadd(a, b, c); }
 // acc[i] += x[2i+1] * w[2i+1], then += x[2i] * w[2i]: bf16 pairs, as vdpbf16ps (without
 // AVX512-BF16, its arithmetic in two FMAs: a product of two bf16 values is exact in float32).
 // pack_bf16: 32 floats (lo: elements 0..15, hi: 16..31) rounded to bf16, nearest even.
@@ -585,23 +604,16 @@ inline I16 dpbusd(I16 acc, B64 u, B64 s) {
 inline I16 dpbusd_small(I16 acc, B64 u, B64 s) {
   return each<I16>([&](int k) { return ir_dpbusd(acc.r[k], u.r[k], s.r[k], false); });
 }
-// N16 and dot_nibbles: as in the AVX-512 section (vpmaddubsw's pair sums where AVX2 has no
-// AVX-VNNI; dot products summed in I16 elsewhere).
+// ir_dot_nibbles and ir_widen: as in the AVX-512 section (vpmaddubsw's pair sums where AVX2 has
+// no AVX-VNNI, 32-bit dot products elsewhere).
 #if LM_AVX2 && !defined(__AVXVNNI__)
-struct N16 { IR r[kRegs]; };
-inline N16 nzero() { return each<N16>([](int) { return _mm256_setzero_si256(); }); }
-inline N16 dot_nibbles(N16 acc, B64 u, B64 s) {
-  return each<N16>([&](int k) { return _mm256_add_epi16(acc.r[k], _mm256_maddubs_epi16(u.r[k], s.r[k])); });
-}
-inline I16 widen(N16 acc) {
-  return each<I16>([&](int k) { return _mm256_madd_epi16(acc.r[k], _mm256_set1_epi16(1)); });
-}
+inline IR ir_dot_nibbles(IR acc, IR u, IR s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
+inline IR ir_widen(IR acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 #else
-using N16 = I16;
-inline N16 nzero() { return izero(); }
-inline N16 dot_nibbles(N16 acc, B64 u, B64 s) { return dpbusd_small(acc, u, s); }
-inline I16 widen(N16 acc) { return acc; }
+inline IR ir_dot_nibbles(IR acc, IR u, IR s) { return ir_dpbusd(acc, u, s, false); }
+inline IR ir_widen(IR acc) { return acc; }
 #endif
+inline FR& reg(F16& v, int k) { return v.r[k]; }
 // vdpbf16ps's arithmetic: the odd pair's product added first, then the even one's, each
 // rounded once (a product of two bf16 values is exact in float32, so an FMA is that step).
 inline F16 dpbf16(F16 acc, B64 x, B64 w) {
