@@ -5,7 +5,7 @@ separate runs cannot compare two builds; alternating them call batch by call bat
 medians can. Each build is the kernel's source at a git revision (``WORKTREE`` for the files as
 they are), compiled with the engine's own flags next to that revision's ``simd.h``.
 
-- ``int8_gemm``: the layers' shapes (4-bit, one int8 digit, as O3; ``--digits 2`` as O2) at each
+- ``int8_gemm``: the layers' shapes (4-bit, ``--bits 8`` 8-bit; one int8 digit, as O3; ``--digits 2`` as O2) at each
   of ``--rows``, 30 copies of the weights cycled so they come from memory as in the model;
   GFLOP/s, whether the builds' outputs are bit-identical, and each build's time for one layer's
   four matmuls relative to the first build.
@@ -90,8 +90,8 @@ def interleaved(builds: dict, cases: list, run, reps: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def gemm(builds: dict, rows: list[int], digits: int, reps: int) -> None:
-    layers = {s: [BlockLinear(BlockWeight.quantize(torch.randn(*s), 4), None, "int8") for _ in range(LAYERS)]
+def gemm(builds: dict, rows: list[int], digits: int, reps: int, bits: int = 4) -> None:
+    layers = {s: [BlockLinear(BlockWeight.quantize(torch.randn(*s), bits), None, "int8") for _ in range(LAYERS)]
               for s in GEMM_SHAPES}
     for lib in builds.values():
         lib.lm_int8_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
@@ -103,7 +103,7 @@ def gemm(builds: dict, rows: list[int], digits: int, reps: int) -> None:
             n, k, x, out = case
             for lin in layers[(n, k)]:
                 lib.lm_int8_gemm(x.data_ptr(), 1, lin.codes.data_ptr(), lin.consts.data_ptr(), out.data_ptr(),
-                                 0, m, n, k, 4, digits, int(lin.consts.dtype == torch.float16), 2)
+                                 0, m, n, k, bits, digits, int(lin.consts.dtype == torch.float16), 2)
 
         t = interleaved(builds, cases, run, reps)
         first = next(iter(builds))
@@ -213,6 +213,7 @@ def main() -> None:
     ap.add_argument("--new", default="WORKTREE", help="git revision of the second (default: the files as they are)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
     ap.add_argument("--digits", type=int, choices=[1, 2], default=1)
+    ap.add_argument("--bits", type=int, choices=[4, 8], default=4, help="int8_gemm: the weights' codes")
     ap.add_argument("--kv", choices=list(KV_FLAGS), default="int8", help="paged_attention: the KV cache")
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
@@ -220,7 +221,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         builds = {rev: build(args.kernel, rev, Path(tmp)) for rev in (args.base, args.new)}
         if args.kernel == "int8_gemm":
-            gemm(builds, args.rows, args.digits, args.reps)
+            gemm(builds, args.rows, args.digits, args.reps, args.bits)
         elif args.kernel == "fused_ops":
             fused_ops(builds, args.rows, args.reps)
         else:

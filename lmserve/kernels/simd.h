@@ -217,9 +217,11 @@ inline I16 dpbusd(I16 acc, B64 u, B64 s) {
 // add up in 16 bits for up to 8 products, and one vpmaddwd widens them to 32; where it is an
 // instruction, the accumulator holds 32-bit sums throughout. The same integers either way.
 #if defined(__AVX512VNNI__)
+constexpr bool kSums16 = false;  // whether ir_dot_nibbles sums in 16 bits
 inline I16 ir_dot_nibbles(I16 acc, B64 u, B64 s) { return dpbusd(acc, u, s); }
 inline I16 ir_widen(I16 acc) { return acc; }
 #else
+constexpr bool kSums16 = true;
 inline I16 ir_dot_nibbles(I16 acc, B64 u, B64 s) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s)); }
 inline I16 ir_widen(I16 acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
 #endif
@@ -607,9 +609,11 @@ inline I16 dpbusd_small(I16 acc, B64 u, B64 s) {
 // ir_dot_nibbles and ir_widen: as in the AVX-512 section (vpmaddubsw's pair sums where AVX2 has
 // no AVX-VNNI, 32-bit dot products elsewhere).
 #if LM_AVX2 && !defined(__AVXVNNI__)
+constexpr bool kSums16 = true;
 inline IR ir_dot_nibbles(IR acc, IR u, IR s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
 inline IR ir_widen(IR acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 #else
+constexpr bool kSums16 = false;
 inline IR ir_dot_nibbles(IR acc, IR u, IR s) { return ir_dpbusd(acc, u, s, false); }
 inline IR ir_widen(IR acc) { return acc; }
 #endif
