@@ -144,12 +144,12 @@ inline IR word(const int8_t* p) {  // 4 activation digits to every 32-bit lane
 // next_j .. next_j+NR-1 in L2, a block per block it computes (a compile-time choice: a test in
 // the block loop cost tiles that do not ask 3%). A block's integer work goes one register of
 // the vectors at a time (kRegs: one on AVX-512, AVX2's two halves, NEON's four quarters), with
-// one accumulator an output and digit, so a tile's accumulators stay in registers: AVX2 holds a
-// 4 x 3 tile's 12 in its 16, where whole vectors (two registers each, two accumulators an
-// output) spilled a 4 x 2 tile's 32. With the shapes below, AVX2's layer matmuls take 0.89,
-// 0.78, 0.70 and 0.64 of the time they took at 1, 4, 16 and 256 rows with one digit, 0.72,
-// 0.70, 0.80 and 0.86 with two (kernel_ab.py int8_gemm --base db07c16, Zen 4, same bits);
-// AVX-512 is unchanged (0.95-1.02).
+// one accumulator an output and digit, so a tile's integer accumulators stay in registers (its
+// float ones, touched once a block, may not): AVX2 holds a 4 x 3 tile's 12 in its 16, where
+// whole vectors (two registers each, two accumulators an output) spilled a 4 x 2 tile's 32.
+// With the shapes below, AVX2's layer matmuls take 0.89, 0.78, 0.70 and 0.64 of the time they
+// took at 1, 4, 16 and 256 rows with one digit, 0.72, 0.70, 0.80 and 0.86 with two
+// (kernel_ab.py int8_gemm --base db07c16, Zen 4, same bits); AVX-512 is unchanged (0.95-1.02).
 template <int BITS, int DIGITS, int MR, int NR, bool kAsk>
 void tile(const Args& p, int m0, int j0, int next_j) {
   const int G = p.K / 32;

@@ -214,8 +214,9 @@ inline I16 dpbusd(I16 acc, B64 u, B64 s) {
 #endif
 // Dot products of nibble codes (u < 16) with signed bytes, a register at a time (see kRegs
 // below): where dpbusd is emulated, vpmaddubsw's 16-bit pair sums (at most 2 * 15 * 128 = 3840)
-// add up in 16 bits for up to 8 products, and one vpmaddwd widens them to 32; where it is an
-// instruction, the accumulator holds 32-bit sums throughout. The same integers either way.
+// add up in 16 bits, up to 8 of them (16 products), and one vpmaddwd widens them to 32; where
+// it is an instruction, the accumulator holds 32-bit sums throughout. The same integers either
+// way.
 #if defined(__AVX512VNNI__)
 constexpr bool kSums16 = false;  // whether ir_dot_nibbles sums in 16 bits
 inline I16 ir_dot_nibbles(I16 acc, B64 u, B64 s) { return dpbusd(acc, u, s); }
