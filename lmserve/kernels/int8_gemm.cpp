@@ -414,8 +414,8 @@ void gemm(const Args& p) {
 
 // The quantized activations of a call: this thread's own, reused, when they are decode-sized,
 // else `local`'s, allocated for the call and freed after it. (A zeroed allocation per call, with
-// a second barrier at the tile loop's end, cost a layer's matmuls 8-23% at 1-16 rows:
-// benchmarks/kernel_ab.py int8_gemm --base 678c457, docs/performance.md.)
+// a second barrier at the tile loop's end, cost a layer's matmuls 1-6% at 1-16 rows:
+// benchmarks/kernel_ab.py int8_gemm --base 678c457 --new c3e56fc, docs/performance.md.)
 struct Scratch {
   std::vector<int8_t> q;  // (digits, M, K)
   std::vector<float> scale, sum;  // (M, K/32)
