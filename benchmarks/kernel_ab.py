@@ -5,9 +5,9 @@ separate runs cannot compare two builds; alternating them call batch by call bat
 medians can. Each build is the kernel's source at a git revision (``WORKTREE`` for the files as
 they are), compiled with the engine's own flags next to that revision's ``simd.h``.
 
-- ``int8_gemm``: the layers' shapes (4-bit, ``--bits 8`` 8-bit; one int8 digit, as O3; ``--digits 2`` as O2) at each
-  of ``--rows``, 30 copies of the weights cycled so they come from memory as in the model;
-  GFLOP/s, whether the builds' outputs are bit-identical, and each build's time for one layer's
+- ``int8_gemm``: the layers' shapes (4-bit, ``--bits 8`` 8-bit; one int8 digit, as O3;
+  ``--digits 2`` as O2) at each of ``--rows``, 30 copies of the weights cycled and the caches
+  flushed before each call, so they come from memory as in the model; GFLOP/s, whether the builds' outputs are bit-identical, and each build's time for one layer's
   four matmuls relative to the first build.
 - ``paged_attention``: one layer's attention call on an int8 KV cache (O3; ``--kv bf16``: O1/O2's)
   over 30 layers' caches with each sequence's pages shuffled: a 256-token prefill, decode of 16

@@ -5,8 +5,9 @@ rows M (1: decode of one stream, 16: a decode batch, 256: a prefill chunk), time
 block kernel with each activation type (int8 and int16 in kernels/int8_gemm.cpp; bfloat16 and
 float32 as bf16 hi + lo in kernels/block_gemm.cpp), and O0's float32 kernel on the weights
 dequantized (kernels/dense_gemm.cpp), against torch's own matmul on those (float32 and
-bfloat16). Also prints each one's error against a float64 matmul of the exact weights, relative to the output's largest value, on activations with an
-outlier channel (as LLM hidden states have). Random weights quantized by the gguf package to the
+bfloat16). Also prints each one's error against a float64 matmul of the exact weights,
+relative to the output's largest value, on activations with an outlier channel (as LLM hidden
+states have). Random weights quantized by the gguf package to the
 file's types (Q4_1 layers, Q8_0 head), read as the engine reads them.
 
     .venv/bin/python benchmarks/matmul_kernels.py [--rows 1 16 256] [--seconds 0.3]

@@ -60,11 +60,6 @@ class OptFlags:
     # and gate/up's, mlp_act_dtype gate/up's. One tensor type through the MLP: int8, int16 and
     # float32 mix, bfloat16 goes alone.
     gate_up_act_dtype: Optional[ActDtype] = None
-    def mlp_act_dtypes(self) -> tuple[ActDtype, ActDtype]:
-        """The activations asked for into the MLP's gate/up and its down projection."""
-        down = self.mlp_act_dtype or self.act_dtype
-        return self.gate_up_act_dtype or down, down
-
     # torch_native: torch ops throughout. cpu_paged: lmserve's C++ kernels for attention and the
     # element-wise layer ops (residual + RMSNorm, SiLU * up).
     attention: AttentionKernel = "torch_native"
@@ -77,6 +72,11 @@ class OptFlags:
     # DEFAULT_DRAFT_OPT. A full-precision target verifying its own quantized weights is a real
     # use: the exact reference output at nearly the quantized speed.
     draft_opt: Optional[str] = None
+
+    def mlp_act_dtypes(self) -> tuple[ActDtype, ActDtype]:
+        """The activations asked for into the MLP's gate/up and its down projection."""
+        down = self.mlp_act_dtype or self.act_dtype
+        return self.gate_up_act_dtype or down, down
 
 
 # The one place that says what each level means; change a preset here and nowhere else.

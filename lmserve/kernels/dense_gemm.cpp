@@ -123,7 +123,8 @@ void tail(const Args& p, int m0, int rows, int n0) {
 // Rows [m0, m_end) of the NR columns at n0: tiles of MR rows, then one of the rest. Unless the
 // tile streams (above), the next strip's weights are asked for in L2 first, to come in while
 // this one computes: a tile of one row is bound by their latency, and the later tiles of more
-// rows compute from L1 while the memory would idle (one-row decode 9-18% faster in the engine, 8-16 rows of the head 1.1-1.3x).
+// rows compute from L1 while the memory would idle (one-row decode 9-18% faster in the engine,
+// 8-16 rows of the head 1.1-1.3x).
 template <int MR, int NR>
 void strip(const Args& p, int m0, int m_end, int n0) {
   if (!streams(m_end - m0, NR) && n0 + 2 * NR <= p.N) {

@@ -604,9 +604,6 @@ inline B64 broadcast4(const int8_t* p) {
 inline I16 dpbusd(I16 acc, B64 u, B64 s) {
   return each<I16>([&](int k) { return ir_dpbusd(acc.r[k], u.r[k], s.r[k], true); });
 }
-inline I16 dpbusd_small(I16 acc, B64 u, B64 s) {
-  return each<I16>([&](int k) { return ir_dpbusd(acc.r[k], u.r[k], s.r[k], false); });
-}
 // ir_dot_nibbles and ir_widen: as in the AVX-512 section (vpmaddubsw's pair sums where AVX2 has
 // no AVX-VNNI, 32-bit dot products elsewhere).
 #if LM_AVX2 && !defined(__AVXVNNI__)
