@@ -52,7 +52,7 @@ constexpr bool kAvx512 = false;
 constexpr bool streams(int rows, int cols) { return kAvx512 && cols == 2 && rows <= 4; }
 constexpr int64_t kAhead = 8192 / sizeof(float);
 
-// The cache lines [from, to) of the `lines` of a strip at `w`, asked for in L2.
+// Asks for the cache lines [from, to) of the weights at `w` (16 floats a line) in L2.
 inline void ask_l2(const float* w, int64_t from, int64_t to) {
   for (int64_t l = from; l < to; ++l) prefetch_l2(w + l * 16);
 }
