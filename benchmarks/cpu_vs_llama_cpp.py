@@ -26,9 +26,10 @@ import statistics
 import time
 
 import numpy as np
+# lmserve before torch: its import sets libgomp's spinning (lmserve/openmp.py).
+from lmserve import Engine  # isort: skip
 import torch
 
-from lmserve import Engine
 from lmserve.models.builtin import builtin_model_path
 
 

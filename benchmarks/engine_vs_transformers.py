@@ -18,9 +18,10 @@ import os
 import platform
 import time
 
+# lmserve before torch: its import sets libgomp's spinning (lmserve/openmp.py).
+from lmserve import AsyncEngine  # isort: skip
 import torch
 
-from lmserve import AsyncEngine
 from lmserve.models.builtin import builtin_model_path
 
 TOPICS = ["lighthouses", "volcanoes", "the printing press", "honeybees", "glaciers", "chess",

@@ -21,10 +21,11 @@ import statistics
 import tempfile
 import time
 
+# lmserve before torch: its import sets libgomp's spinning (lmserve/openmp.py).
+from lmserve import Engine  # isort: skip
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM
 
-from lmserve import Engine
 from lmserve.models.builtin import builtin_model_path
 from lmserve.step import SeqStep, StepInput
 from lmserve.tokenizer import Tokenizer

@@ -19,9 +19,10 @@ import os
 import platform
 import time
 
+# lmserve before torch: its import sets libgomp's spinning (lmserve/openmp.py).
+from lmserve import Engine, SamplingParams  # isort: skip
 import torch
 
-from lmserve import Engine, SamplingParams
 from lmserve.request import Sequence
 from lmserve.step import SeqStep, StepInput
 

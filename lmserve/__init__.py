@@ -5,6 +5,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lmserve.openmp import configure_libgomp
+
+configure_libgomp()  # before anything imports torch (lmserve/openmp.py says why)
+
 __all__ = ["AsyncEngine", "Engine", "EngineConfig", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 

@@ -8,10 +8,11 @@ import random
 import threading
 import time
 
+# lmserve before torch: its import sets libgomp's spinning (lmserve/openmp.py).
+from lmserve import AsyncEngine, Engine, SamplingParams  # isort: skip
 import pytest
 import torch
 
-from lmserve import AsyncEngine, Engine, SamplingParams
 from lmserve.models.builtin import builtin_model_path
 from server_process import ServerProcess
 from tiny_models import make_hf_llama

@@ -17,6 +17,7 @@ import time
 from typing import Callable, Optional, TypeVar, Union
 
 from lmserve.engine.core import EngineCore
+from lmserve.engine.thread_check import ThreadSyncCheck
 from lmserve.outputs import RequestOutput
 from lmserve.parallel.group import ParallelFailure
 from lmserve.protocol import InvalidRequestError
@@ -153,6 +154,7 @@ class EngineLoop:
     def _serve(self) -> None:
         last_log = last_release = time.monotonic()
         logged = (0, 0)
+        sync_check = ThreadSyncCheck()
         while not self._stopped:
             if not self.core.has_work():  # block only when idle: a busy engine never waits
                 with self._lock:
@@ -177,6 +179,7 @@ class EngineLoop:
             if now - last_release >= RELEASE_INTERVAL_S:
                 self.core.release_idle_memory()
                 last_release = now
+            sync_check.maybe_check(now)
             if self.core.config.verbose and now - last_log >= STATS_INTERVAL_S:
                 logged = self._log_stats(now - last_log, logged)
                 last_log = now
