@@ -5,12 +5,14 @@ Each case runs in a fresh interpreter: libgomp reads its settings once, when tor
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
+from lmserve.engine.thread_check import SLOW_REGION_S
 from lmserve.openmp import SETTINGS
 
 
@@ -27,27 +29,32 @@ def test_importing_lmserve_before_torch_sets_libgomp_spinning():
     assert python(show, OMP_WAIT_POLICY="passive").stdout.split() == ["passive", "None"]  # the user's
 
 
-# Another thread has run multithreaded torch work; then an engine-like thread checks its regions.
+# torch imported first (libgomp's defaults), and this thread has run multithreaded torch work:
+# an engine-like thread's kernel threads now sleep between regions, which is slow whatever else
+# the machine runs. (That importing lmserve first keeps them spinning is a speed claim, made by
+# benchmarks/thread_sync.py: an idle machine's timing, which a test cannot count on.)
 CHECK = """
-import logging, threading
-{first}
+import json, logging, threading
 import torch
-from lmserve.engine.thread_check import SLOW_REGION_S, ThreadSyncCheck
+from lmserve.engine.thread_check import ThreadSyncCheck
 logging.basicConfig()
 torch.set_num_threads(2)
 (torch.randn(1000, 1000) * 2).sum()  # this thread keeps an OpenMP team of its own from now on
-seconds = []
-engine = threading.Thread(target=lambda: seconds.append(ThreadSyncCheck().maybe_check(0.0)))
-engine.start()
-engine.join()
-print(seconds[0] > SLOW_REGION_S)
+check, seconds = ThreadSyncCheck(), []
+def engine():
+    seconds.append(check.maybe_check(0.0))
+    seconds.append(check.maybe_check(1e9))  # long past the interval: said once, not measured again
+thread = threading.Thread(target=engine)
+thread.start()
+thread.join()
+print(json.dumps(seconds))
 """
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two threads need two CPUs to spin")
-@pytest.mark.parametrize("lmserve_first", [True, False])
-def test_kernel_threads_spin_after_another_thread_ran_torch_unless_torch_came_first(lmserve_first):
-    done = python(CHECK.format(first="import lmserve" if lmserve_first else ""))
-    slow = done.stdout.split() == ["True"]
-    assert slow is not lmserve_first, done.stdout
-    assert ("slow to start" in done.stderr) is slow and ("Import lmserve before torch" in done.stderr) is slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="no thread to wake on one CPU")
+def test_engine_thread_warns_once_its_kernel_threads_sleep_between_calls():
+    done = python(CHECK)
+    first, again = json.loads(done.stdout)
+    assert first > SLOW_REGION_S and again is None
+    assert "slow to start" in done.stderr and "Import lmserve before torch" in done.stderr
+    assert done.stderr.count("slow to start") == 1
