@@ -9,6 +9,9 @@ they are), compiled with the engine's own flags next to that revision's ``simd.h
   ``--digits 2`` as O2) at each of ``--rows``, 30 copies of the weights cycled and the caches
   flushed before each call, so they come from memory as in the model; GFLOP/s, whether the builds' outputs are bit-identical, and each build's time for one layer's
   four matmuls relative to the first build.
+- ``dense_gemm``: O0's float32 matmul over a whole model's weights (30 layers' four matrices and
+  the head, each once, as a step reads them: 537 MB) at each of ``--rows``; milliseconds for
+  the whole model, whether the builds' outputs are bit-identical.
 - ``paged_attention``: one layer's attention call on an int8 KV cache (O3; ``--kv bf16``: O1/O2's)
   over 30 layers' caches with each sequence's pages shuffled: a 256-token prefill, decode of 16
   streams of 325 tokens, and both in one batch. Each build fills its own caches (their layout may
@@ -17,6 +20,7 @@ they are), compiled with the engine's own flags next to that revision's ``simd.h
   wide) at each of ``--rows``, 1000 calls through ctypes a timing.
 
     .venv/bin/python benchmarks/kernel_ab.py int8_gemm --base 8d04870 [--new WORKTREE] [--rows 1 16 256]
+    .venv/bin/python benchmarks/kernel_ab.py dense_gemm --base 4c0c353 --rows 1 4 7 8
     .venv/bin/python benchmarks/kernel_ab.py paged_attention --base 0529f40 [--kv bf16]
     .venv/bin/python benchmarks/kernel_ab.py fused_ops --base 3708ff8 --rows 1 16
 """
@@ -122,6 +126,33 @@ def gemm(builds: dict, rows: list[int], digits: int, reps: int, bits: int = 4) -
               + "  ".join(f"{b} {layer[b] / layer[first]:.3f}" for b in builds))
 
 
+def dense_gemm(builds: dict, rows: list[int], reps: int) -> None:
+    weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in GEMM_SHAPES] + [torch.randn(49152, 576) * 0.02]
+    for lib in builds.values():
+        lib.lm_dense_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    cases = [(m, {k: torch.randn(m, k) for k in (576, 1536)}, [torch.empty(m, w.shape[0]) for w in weights])
+             for m in rows]
+
+    def run(_, lib, case):
+        m, xs, outs = case
+        for w, out in zip(weights, outs):
+            lib.lm_dense_gemm(xs[w.shape[1]].data_ptr(), w.data_ptr(), out.data_ptr(), m, *w.shape, 2)
+
+    t = interleaved(builds, cases, run, reps)
+    first = next(iter(builds))
+    for c, case in enumerate(cases):
+        results = {}
+        for b, lib in builds.items():
+            for out in case[2]:
+                out.fill_(float("nan"))
+            run(b, lib, case)
+            results[b] = [out.clone() for out in case[2]]
+        same = all(all(map(torch.equal, results[b], results[first])) for b in builds)
+        print(f"M={case[0]:<4d} whole model: " + "  ".join(
+            f"{b} {t[(b, c)] * 1e3:6.2f} ms ({t[(b, c)] / t[(first, c)]:.3f})" for b in builds)
+            + f"  same bits: {same}")
+
+
 # The KV caches' flags for lm_paged_attention (float32 q/k/v and out) and their flat sizes.
 KV_FLAGS = {"int8": 16, "bf16": 2}
 
@@ -208,7 +239,7 @@ def fused_ops(builds: dict, rows: list[int], reps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernel", choices=["int8_gemm", "paged_attention", "fused_ops"])
+    ap.add_argument("kernel", choices=["int8_gemm", "dense_gemm", "paged_attention", "fused_ops"])
     ap.add_argument("--base", required=True, help="git revision of the first build")
     ap.add_argument("--new", default="WORKTREE", help="git revision of the second (default: the files as they are)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
@@ -222,6 +253,8 @@ def main() -> None:
         builds = {rev: build(args.kernel, rev, Path(tmp)) for rev in (args.base, args.new)}
         if args.kernel == "int8_gemm":
             gemm(builds, args.rows, args.digits, args.reps, args.bits)
+        elif args.kernel == "dense_gemm":
+            dense_gemm(builds, args.rows, args.reps)
         elif args.kernel == "fused_ops":
             fused_ops(builds, args.rows, args.reps)
         else:
