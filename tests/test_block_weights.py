@@ -252,9 +252,10 @@ def test_float32_dense_rows_without_the_kernel_go_through_onednn(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", [True, False])
-def test_mlp_activations_keep_one_tensor_type_when_the_int8_kernel_is_missing(monkeypatch, kernel):
+def test_mlp_activations_keep_one_tensor_type_when_the_int8_kernel_is_missing(monkeypatch, caplog, kernel):
     """O2's mix (one digit into gate/up, two into down): as asked with the int8 kernel; without
-    it int8 would fall back to bfloat16 and int16 to float32, so gate/up takes down's float32."""
+    it int8 would fall back to bfloat16 and int16 to float32, so gate/up takes down's float32.
+    Each fallback is logged once (gate/up and down both int8: once)."""
     import lmserve.layers.linear as linear
 
     if not kernel:
@@ -262,5 +263,7 @@ def test_mlp_activations_keep_one_tensor_type_when_the_int8_kernel_is_missing(mo
     elif linear.int8_kernel_unavailable():
         pytest.skip(f"C++ int8 kernel unavailable: {linear.int8_kernel_unavailable()}")
     assert linear.resolve_mlp_acts("int8", "int16") == (("int8", "int16") if kernel else ("float32", "float32"))
+    caplog.clear()
     assert linear.resolve_mlp_acts("int8", "int8") == (("int8", "int8") if kernel else ("bfloat16", "bfloat16"))
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == (0 if kernel else 1)
     assert linear.resolve_mlp_acts("bfloat16", "bfloat16") == ("bfloat16", "bfloat16")

@@ -345,6 +345,6 @@ def resolve_mlp_acts(gate_up: str, down: str) -> MlpActs:
     """The MLP's activations (``OptFlags.mlp_act_dtypes``) as this machine runs them; where
     the int8 kernel is missing, int8 and int16 fall back to different dtypes, and gate/up then
     takes down's."""
-    down = resolve_act_dtype(down)
-    up = resolve_act_dtype(gate_up) if gate_up != down else down
-    return MlpActs(up if ACT_TENSOR_DTYPES[up] == ACT_TENSOR_DTYPES[down] else down, down)
+    resolved = resolve_act_dtype(down)
+    up = resolved if gate_up == down else resolve_act_dtype(gate_up)  # (each fallback logged once)
+    return MlpActs(up if ACT_TENSOR_DTYPES[up] == ACT_TENSOR_DTYPES[resolved] else resolved, resolved)
