@@ -10,7 +10,9 @@ a test's reference model) tips the count for good: an empty parallel region then
 microseconds instead of 0.6 and a draft model's decode passes 40-45% longer (2-core Zen 4).
 ``OMP_WAIT_POLICY=active`` raises those 100 spins to 1,000, enough between the calls of a step
 (0.6 microseconds a region again, full speed); ``GOMP_SPINCOUNT`` keeps the default's 300,000
-spins otherwise (active alone would spin for minutes whenever the engine idles).
+spins otherwise (active alone would spin for minutes whenever the engine idles), and
+``KMP_BLOCKTIME`` keeps LLVM's and Intel's OpenMP, should the process load one too, at their
+default 200 ms (active alone makes those spin for good).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-SETTINGS = {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000"}
+SETTINGS = {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000", "KMP_BLOCKTIME": "200"}
 
 
 def configure_libgomp() -> bool:
@@ -33,7 +35,7 @@ def configure_libgomp() -> bool:
     if spec is None or not spec.submodule_search_locations:
         return False
     libs = Path(next(iter(spec.submodule_search_locations))) / "lib"
-    if not any(libs.glob("libgomp*.so*")):  # another OpenMP (Intel's spins on "active" for good)
+    if not any(libs.glob("libgomp*.so*")):  # another OpenMP: its own settings, not these
         return False
     os.environ.update(SETTINGS)
     return True

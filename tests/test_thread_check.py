@@ -23,10 +23,10 @@ def python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_importing_lmserve_before_torch_sets_libgomp_spinning():
-    show = "import lmserve, os; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
-    assert python(show).stdout.split() == ["active", "300000"]
-    assert python("import torch; " + show).stdout.split() == ["None", "None"]  # too late to act
-    assert python(show, OMP_WAIT_POLICY="passive").stdout.split() == ["passive", "None"]  # the user's
+    show = "import lmserve, os; print(*(os.environ.get(k) for k in lmserve.openmp.SETTINGS))"
+    assert python(show).stdout.split() == ["active", "300000", "200"]
+    assert python("import torch; " + show).stdout.split() == ["None"] * 3  # too late to act
+    assert python(show, OMP_WAIT_POLICY="passive").stdout.split() == ["passive", "None", "None"]  # the user's
 
 
 # torch imported first (libgomp's defaults), and this thread has run multithreaded torch work:
