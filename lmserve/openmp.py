@@ -1,41 +1,84 @@
-"""libgomp's spinning, set before torch loads it (``import lmserve`` does, see ``__init__``).
+"""libgomp's spinning, set as torch's libgomp loads (``import lmserve`` does it, see ``__init__``).
 
 The C++ kernels split each call's work with OpenMP, in the libgomp that torch ships and loads,
 and a decode step makes a few hundred such calls: their threads must still be spinning when the
 next call starts. libgomp spins for ``GOMP_SPINCOUNT`` iterations (300,000 by default) while it
-manages no more threads than the machine has CPUs, and for only 100 beyond that, then sleeps in
-the kernel. Every OS thread that runs multithreaded OpenMP work keeps a team of its own for its
-life, so one multithreaded torch operation in any other thread (a Python API user's own tensors,
-a test's reference model) tips the count for good: an empty parallel region then took 11
-microseconds instead of 0.6 and a draft model's decode passes 40-45% longer (2-core Zen 4).
-``OMP_WAIT_POLICY=active`` raises those 100 spins to 1,000, enough between the calls of a step
-(0.6 microseconds a region again, full speed); ``GOMP_SPINCOUNT`` keeps the default's 300,000
-spins otherwise (active alone would spin for minutes whenever the engine idles), and
-``KMP_BLOCKTIME`` keeps LLVM's and Intel's OpenMP, should the process load one too, at their
-default 200 ms (active alone makes those spin for good).
+manages no more threads than the CPUs in its affinity mask, and for only 100 beyond that, then
+sleeps in the kernel. Every OS thread that runs multithreaded OpenMP work keeps a team of its
+own until it exits, so one multithreaded torch operation in another thread (a Python API user's
+own tensors, a test's reference model) can tip the count: an empty parallel region then took
+11-30 microseconds instead of 0.6, and one-stream decoding ran at 0.34-0.36x
+(benchmarks/thread_sync.py, 2-core Zen 4). ``OMP_WAIT_POLICY=active`` raises those 100 spins to
+1,000, enough between the calls of a step (0.6 microseconds a region, 0.93-0.95x);
+``GOMP_SPINCOUNT`` keeps 300,000 spins otherwise (active alone would spin for minutes whenever
+the engine idles); ``KMP_BLOCKTIME`` keeps another OpenMP runtime, should one load, from
+spinning for good under "active".
+
+libgomp reads its settings once, when it loads. So they are put in the environment only while
+this module loads torch's libgomp, before torch does, and taken out again: this process keeps
+them, child processes do not inherit them (an lmserve child sets them for itself).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 SETTINGS = {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000", "KMP_BLOCKTIME": "200"}
+USER_CHOICES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # set by the user: left alone
+
+# None once the settings took; else why they did not (engine/thread_check.py's warning says it).
+status: Optional[str] = "not configured yet"
 
 
-def configure_libgomp() -> bool:
-    """Put ``SETTINGS`` in the environment where they still act and are torch's libgomp's to
-    read: torch not imported yet, its package ships libgomp, and neither is set already (a
-    user's choice wins). Returns whether they were set."""
-    if "torch" in sys.modules or any(name in os.environ for name in SETTINGS):
-        return False
+def torch_libgomp() -> Optional[Path]:
+    """The libgomp torch's package ships, without importing torch: ``torch/lib`` (x86-64
+    wheels) or ``torch.libs`` beside it (auditwheel's, as aarch64 wheels have it)."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations)))
+    for libs in (package / "lib", package.parent / "torch.libs"):
+        found = sorted(libs.glob("libgomp*.so*"))
+        if found:
+            return found[0]
+    return None
+
+
+def _libgomp_loaded() -> bool:
+    try:
+        return "libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:
         return False
-    libs = Path(next(iter(spec.submodule_search_locations))) / "lib"
-    if not any(libs.glob("libgomp*.so*")):  # another OpenMP: its own settings, not these
-        return False
-    os.environ.update(SETTINGS)
-    return True
+
+
+def configure_libgomp() -> Optional[str]:
+    """Load torch's libgomp with ``SETTINGS`` in the environment, then take them out again;
+    None if that was done, else why not (kept in ``status``)."""
+    global status
+    status = _configure()
+    return status
+
+
+def _configure() -> Optional[str]:
+    if any(name in os.environ for name in USER_CHOICES):
+        return f"{' or '.join(USER_CHOICES)} is set in the environment, and left as it is"
+    if "torch" in sys.modules or _libgomp_loaded():
+        return "torch (or another user of libgomp) was loaded before lmserve"
+    lib = torch_libgomp()
+    if lib is None:
+        return "torch's package has no libgomp of its own (its OpenMP keeps its settings)"
+    added = {name: value for name, value in SETTINGS.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        ctypes.CDLL(str(lib))  # torch finds it loaded (the same soname) and uses it
+    except OSError as err:
+        return f"loading {lib} failed: {err}"
+    finally:
+        for name in added:
+            del os.environ[name]
+    return None

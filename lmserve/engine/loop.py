@@ -130,6 +130,7 @@ class EngineLoop:
     def _run(self, make_core: Callable[[], EngineCore], built: concurrent.futures.Future) -> None:
         try:
             self.core = make_core()
+            self._sync_check = ThreadSyncCheck()  # (builds its probe now, not in a step)
         except BaseException as exc:  # noqa: BLE001  (handed to the constructor, which raises it)
             self._stopped = True
             built.set_exception(exc)
@@ -154,7 +155,6 @@ class EngineLoop:
     def _serve(self) -> None:
         last_log = last_release = time.monotonic()
         logged = (0, 0)
-        sync_check = ThreadSyncCheck()
         while not self._stopped:
             if not self.core.has_work():  # block only when idle: a busy engine never waits
                 with self._lock:
@@ -179,7 +179,7 @@ class EngineLoop:
             if now - last_release >= RELEASE_INTERVAL_S:
                 self.core.release_idle_memory()
                 last_release = now
-            sync_check.maybe_check(now)
+            self._sync_check.maybe_check(now)
             if self.core.config.verbose and now - last_log >= STATS_INTERVAL_S:
                 logged = self._log_stats(now - last_log, logged)
                 last_log = now

@@ -67,7 +67,7 @@ void tile(const Args& p, int m0, int n0, const float* next = nullptr) {
   const float* w = p.w + (int64_t)n0 * p.K;
   const float* a = p.a + (int64_t)m0 * p.K;
   const int whole = p.K / 16 * 16;
-  const int64_t lines = (int64_t)NR * p.K / 16;
+  const int64_t lines = ((int64_t)NR * p.K + 15) / 16;
   for (int part = 0; part < kParts; ++part) {
     if (next) ask_l2(next, lines * part / kParts, lines * (part + 1) / kParts);
     const int k_end = part == kParts - 1 ? whole : whole / 16 * (part + 1) / kParts * 16;
@@ -143,14 +143,16 @@ void strip(const Args& p, int m0, int m_end, int n0) {
   const int rows = m_end - m0;
   const float* next = n0 + 2 * NR <= p.N ? p.w + (int64_t)(n0 + NR) * p.K : nullptr;
   if (streams(rows, NR)) next = nullptr;
-  if (next && rows > 4 && rows <= MR) {
-    if (rows == MR)
-      tile<MR, NR, 4>(p, m0, n0, next);
-    else
-      tail<NR, 4>(p, m0, rows, n0, next);
-    return;
+  if constexpr (MR > 4) {  // (AVX-512's one tile of up to 8 rows)
+    if (next && rows > 4 && rows <= MR) {
+      if (rows == MR)
+        tile<MR, NR, 4>(p, m0, n0, next);
+      else
+        tail<NR, 4>(p, m0, rows, n0, next);
+      return;
+    }
   }
-  if (next) ask_l2(next, 0, (int64_t)NR * p.K / 16);
+  if (next) ask_l2(next, 0, ((int64_t)NR * p.K + 15) / 16);
   for (; m0 + MR <= m_end; m0 += MR) tile<MR, NR>(p, m0, n0);
   tail<NR>(p, m0, m_end - m0, n0);
 }
