@@ -2,7 +2,7 @@
 imported before torch (libgomp's spinning set, lmserve/openmp.py) and after it (libgomp's
 defaults), and with no torch work in the main thread as the reference.
 
-Each run is a fresh interpreter (libgomp reads its settings once, when torch loads it): an
+Each run is a fresh interpreter (libgomp reads its settings once, when it loads): an
 engine at ``--opt`` decodes ``--tokens`` tokens greedily after a short prompt, and the engine
 thread's empty OpenMP region is timed (engine/thread_check.py). Runs alternate between the three
 cases, ``--rounds`` times; medians.

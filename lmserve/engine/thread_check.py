@@ -1,6 +1,6 @@
 """Whether the engine thread's C++ kernels start and join their threads at full speed.
 
-Each kernel call is an OpenMP parallel region in torch's libgomp, and a decode step makes a few
+Each kernel call is an OpenMP parallel region (in libgomp), and a decode step makes a few
 hundred: they are fast only while the team's threads spin between them. ``lmserve/openmp.py``
 sets libgomp up for that when lmserve is imported before torch; a process that imported torch
 first and ran multithreaded torch work in another thread has threads that sleep between
@@ -65,8 +65,11 @@ class ThreadSyncCheck:
         self.slow = 0  # slow measurements in a row
         try:
             self.done = _library() is None  # warned, or nothing to measure with
-        except OSError:  # a broken cached build: no check, the engine serves on
+        except Exception:  # noqa: BLE001  (a broken cached build: no check, the engine serves on)
+            logger.debug("the kernel threads' probe did not load", exc_info=True)
             self.done = True
+        copies = openmp.libgomp_copies()
+        self.runtimes = f"; this process runs {len(copies)} libgomp copies" if len(copies) > 1 else ""
 
     def maybe_check(self, now: float) -> Optional[float]:
         """The measured seconds per region if it was time to check, else None."""
@@ -88,17 +91,16 @@ class ThreadSyncCheck:
             self._warn(seconds)
         return seconds
 
-    @staticmethod
-    def _warn(seconds: float) -> None:
+    def _warn(self, seconds: float) -> None:
         if openmp.status is None:
             cause = ("lmserve set libgomp's spinning, so other programs or threads are likely "
                      "keeping these CPUs busy")
         else:
-            cause = (f"libgomp kept its defaults ({openmp.status}), and another thread of this "
-                     "process has likely run multithreaded torch work: libgomp then manages more "
-                     "threads than CPUs and barely spins. Import lmserve before torch, or set "
-                     + " ".join(f"{k}={v}" for k, v in openmp.SETTINGS.items())
+            cause = (f"lmserve did not set libgomp's spinning ({openmp.status}), and another "
+                     "thread of this process has likely run multithreaded torch work: libgomp "
+                     "then manages more threads than CPUs and barely spins. Import lmserve before "
+                     "torch, or set " + " ".join(f"{k}={v}" for k, v in openmp.SETTINGS.items())
                      + " in the environment")
         logger.warning("the C++ kernels' threads are slow to start: an empty parallel region takes "
-                       "%.1f us (under 1 when they spin), and a step makes hundreds. %s.",
-                       seconds * 1e6, cause)
+                       "%.1f us (under 1 when they spin), and a step makes hundreds. %s%s.",
+                       seconds * 1e6, cause, self.runtimes)

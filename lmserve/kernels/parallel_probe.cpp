@@ -1,9 +1,9 @@
 // lmserve-isa: avx512 avx2 neon
 // How long an empty OpenMP parallel region takes on the calling thread, which is what each of a
 // step's few hundred kernel calls pays to start and join its threads (engine/thread_check.py).
-// libgomp (torch's, which the kernels share) keeps a team's threads spinning between regions
-// only while it manages no more threads than the machine has CPUs; past that it puts them to
-// sleep in the kernel after a few spins, and each region then waits for a futex wake.
+// libgomp keeps a team's threads spinning between regions only while it manages no more threads
+// than the CPUs it counted; past that it puts them to sleep in the kernel after a few spins, and
+// each region then waits for a futex wake (lmserve/openmp.py).
 #include <omp.h>
 #include <stdint.h>
 
