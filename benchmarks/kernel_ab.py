@@ -5,10 +5,10 @@ separate runs cannot compare two builds; alternating them call batch by call bat
 medians can. Each build is the kernel's source at a git revision (``WORKTREE`` for the files as
 they are), compiled with the engine's own flags next to that revision's ``simd.h``.
 
-- ``int8_gemm``: the layers' shapes (4-bit, ``--bits 8`` 8-bit; one int8 digit, as O3;
-  ``--digits 2`` as O2) at each of ``--rows``, 30 copies of the weights cycled and the caches
-  flushed before each call, so they come from memory as in the model; GFLOP/s, whether the builds' outputs are bit-identical, and each build's time for one layer's
-  four matmuls relative to the first build.
+- ``int8_gemm``: the layers' shapes (4-bit, ``--bits 8`` 8-bit; one int8 digit, as O3; ``--digits
+  2`` as O2) at each of ``--rows``, 30 copies of the weights cycled and the caches flushed before
+  each call, so they come from memory as in the model; GFLOP/s, whether the builds' outputs are
+  bit-identical, and each build's time for one layer's four matmuls relative to the first build.
 - ``dense_gemm``: O0's float32 matmul over a whole model's weights (30 layers' four matrices and
   the head, each once, as a step reads them: 537 MB) at each of ``--rows``; milliseconds for
   the whole model, whether the builds' outputs are bit-identical.

@@ -1,17 +1,17 @@
 """libgomp's spinning, set as torch's libgomp loads (``import lmserve`` does it, see ``__init__``).
 
 The C++ kernels split each call's work with OpenMP, in libgomp (torch's own where its wheel
-ships ``libgomp.so.1``: one runtime for both), and a decode step makes a few hundred such calls: their threads must still be spinning when the
-next call starts. libgomp spins for ``GOMP_SPINCOUNT`` iterations (300,000 by default) while it
-manages no more threads than the CPUs in its affinity mask, and for only 100 beyond that, then
-sleeps in the kernel. Every OS thread that runs multithreaded OpenMP work keeps a team of its
-own until it exits, so one multithreaded torch operation in another thread (a Python API user's
-own tensors, a test's reference model) can tip the count: an empty parallel region then took
-11-30 microseconds instead of 0.6, and one-stream decoding ran at 0.34-0.36x
-(benchmarks/thread_sync.py, 2-core Zen 4). ``OMP_WAIT_POLICY=active`` raises those 100 spins to
-1,000, enough between the calls of a step (0.6 microseconds a region, 0.93-0.95x);
-``GOMP_SPINCOUNT`` keeps 300,000 spins otherwise (active alone would spin for minutes whenever
-the engine idles).
+ships ``libgomp.so.1``: one runtime for both), and a decode step makes a few hundred such calls:
+their threads must still be spinning when the next call starts. libgomp spins for
+``GOMP_SPINCOUNT`` iterations (300,000 by default) while it manages no more threads than the
+CPUs in its affinity mask, and for only 100 beyond that, then sleeps in the kernel. Every OS
+thread that runs multithreaded OpenMP work keeps a team of its own until it exits, so one
+multithreaded torch operation in another thread (a Python API user's own tensors, a test's
+reference model) can tip the count: an empty parallel region then took 11-30 microseconds
+instead of 0.6, and one-stream decoding ran at 0.34-0.36x (benchmarks/thread_sync.py, 2-core Zen
+4). ``OMP_WAIT_POLICY=active`` raises those 100 spins to 1,000, enough between the calls of a
+step (0.6 microseconds a region, 0.95-1.00x); ``GOMP_SPINCOUNT`` keeps 300,000 spins otherwise
+(active alone would spin for minutes whenever the engine idles).
 
 libgomp reads its settings once, when it loads. So they are put in the environment only while
 this module loads torch's libgomp, before torch does, and taken out again: this process keeps
@@ -82,13 +82,12 @@ def _configure() -> Optional[str]:
         return "torch's package has no libgomp of its own (its OpenMP keeps its settings)"
     if lib.name != KERNELS_LIBGOMP:
         return f"torch's libgomp is {lib.name}, a runtime of its own beside the kernels' {KERNELS_LIBGOMP}"
-    added = {name: value for name, value in SETTINGS.items() if name not in os.environ}
-    os.environ.update(added)
+    os.environ.update(SETTINGS)  # (none of them is set: checked above)
     try:
         ctypes.CDLL(str(lib))  # torch and the kernels find it loaded (the same soname) and use it
     except OSError as err:
         return f"loading {lib} failed: {err}"
     finally:
-        for name in added:
+        for name in SETTINGS:
             del os.environ[name]
     return None

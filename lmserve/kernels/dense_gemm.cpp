@@ -57,6 +57,9 @@ inline void ask_l2(const float* w, int64_t from, int64_t to) {
   for (int64_t l = from; l < to; ++l) prefetch_l2(w + l * 16);
 }
 
+// The cache lines of a strip of `rows` weight rows of K floats.
+inline int64_t strip_lines(int rows, int K) { return ((int64_t)rows * K + 15) / 16; }
+
 // C[m0 : m0+MR, n0 : n0+NR]. With `next` (the next strip's weights), K runs in kParts parts,
 // each first asking for its share of the next strip in L2 (see `strip`).
 template <int MR, int NR, int kParts = 1>
@@ -67,7 +70,7 @@ void tile(const Args& p, int m0, int n0, const float* next = nullptr) {
   const float* w = p.w + (int64_t)n0 * p.K;
   const float* a = p.a + (int64_t)m0 * p.K;
   const int whole = p.K / 16 * 16;
-  const int64_t lines = ((int64_t)NR * p.K + 15) / 16;
+  const int64_t lines = strip_lines(NR, p.K);
   for (int part = 0; part < kParts; ++part) {
     if (next) ask_l2(next, lines * part / kParts, lines * (part + 1) / kParts);
     const int k_end = part == kParts - 1 ? whole : whole / 16 * (part + 1) / kParts * 16;
@@ -152,7 +155,7 @@ void strip(const Args& p, int m0, int m_end, int n0) {
       return;
     }
   }
-  if (next) ask_l2(next, 0, ((int64_t)NR * p.K + 15) / 16);
+  if (next) ask_l2(next, 0, strip_lines(NR, p.K));
   for (; m0 + MR <= m_end; m0 += MR) tile<MR, NR>(p, m0, n0);
   tail<NR>(p, m0, m_end - m0, n0);
 }
