@@ -220,13 +220,14 @@ def test_float32_dense_rows_do_not_depend_on_the_other_rows():
     """The float32 matmul (kernels/dense_gemm.cpp): every row the same bits whatever the row
     count, one row alone included (oneDNN's one-row path differs in the last bits, MKL's sgemm
     past each multiple of 8 rows); K = 100 is six vectors of 16 and a rest, K = 40 fewer
-    vectors than a tile of 5-8 rows has parts, K = 8 only a rest. Within float32 rounding of
+    vectors than a tile of 5-8 rows has parts, K = 8 only a rest; 9-16 rows are two tiles
+    on each strip, 17 on are tiles of 4x4. Within float32 rounding of
     the float64 product, bias included."""
     for k in (8, 40, 96, 100):
         weight, bias, x = torch.randn(203, k), torch.randn(203), torch.randn(70, k)
         layer = DenseLinear(weight, bias, torch.float32)
         full = layer(x)
-        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 17, 33, 69]:
+        for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 33, 69]:
             assert torch.equal(layer(x[:m]), full[:m]), (k, m)
             assert torch.equal(layer(x[m - 1 : m])[0], full[m - 1]), (k, m)
         ref = (x.double() @ weight.double().T + bias.double()).float()

@@ -11,6 +11,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import (concurrently, generate_tokens, homogeneity_pvalue, run_concurrently,
                       sixth_token_draws, wait_idle)
@@ -512,6 +513,30 @@ def test_a_draft_model_changes_no_output_alone_in_company_or_seeded(builtin_engi
         assert engine.kv_pages_in_use() == 0
     finally:
         engine.shutdown()
+
+
+class _CountingUpDraft:
+    """A draft model's runner whose best next token is the previous one plus 1 (mod 10)."""
+
+    def execute(self, step):
+        rows = torch.tensor([s.token_ids[-1] for s in step.seqs if s.num_logits], dtype=torch.long)
+        return torch.nn.functional.one_hot((rows + 1) % 10, 10).float()
+
+
+@pytest.mark.parametrize("params, drafts", [
+    (SamplingParams(), [7, 8, 9]),  # 9 ends the sequence: nothing drafted after it
+    (SamplingParams(ignore_eos=True), [7, 8, 9, 0, 1, 2]),
+    (SamplingParams(min_tokens=6), [7, 8, 9, 0, 1, 2]),  # 9 would be output token 5 of 6
+    (SamplingParams(min_tokens=5), [7, 8, 9]),
+    (SamplingParams(stop_token_ids=[8]), [7, 8]),
+])
+def test_a_draft_models_chain_ends_at_a_token_that_would_end_the_sequence(params, drafts):
+    seq = Sequence(Request("a", [3, 4], params), 0, [3, 4, 5, 6], None)
+    seq.num_computed = seq.num_draft_computed = 3
+    chunk = ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=6)
+    DraftModelDrafter(_CountingUpDraft(), 64, eos_token_ids=frozenset({9})).propose(
+        Batch([chunk]), {chunk: 6})
+    assert chunk.draft.token_ids == drafts
 
 
 def test_the_draft_cache_follows_the_target_and_only_complete_pages_are_cached():

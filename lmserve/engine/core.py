@@ -99,7 +99,8 @@ class EngineCore:
                                              window=plan.window if plan.bounded else None,
                                              states=self._make_state_manager(plan),
                                              paged=plan.num_pages > 0)
-            self.speculator = make_speculator(config, plan, self.args, self.draft_runner)
+            self.speculator = make_speculator(config, plan, self.args, self.draft_runner,
+                                              frozenset(self.tokenizer.eos_token_ids))
             if self.speculator is not None:
                 self.runner.feature_layers = self.speculator.feature_layers
             self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,

@@ -9,9 +9,12 @@ all drafting sequences together. Under a sliding window on every layer (``keep_u
 decoding sequence's draft KV catches up in every step, drafted or not: pages are kept for the
 oldest key either model still needs, so a lagging draft would hold ever more. With a tree
 width ``w`` > 1 the ``w - 1`` next best tokens at each depth are drafted too, as leaves beside
-the chain: free for the draft, and the target verifies them in the same pass. Its drafts are deterministic (the draft's best tokens), so the
-target's verification needs no draft probabilities (see ``speculator``); after verification the
-draft's count is clamped to the verified tokens its KV holds (``Scheduler.update``).
+the chain: free for the draft, and the target verifies them in the same pass. A chain ends at
+a drafted token that would end its sequence (an end-of-sequence or stop token id): accepted,
+nothing follows it; rejected, neither does the rest of the chain. Its drafts are deterministic
+(the draft's best tokens), so the target's verification needs no draft probabilities (see
+``speculator``); after verification the draft's count is clamped to the verified tokens its KV
+holds (``Scheduler.update``).
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ class DraftModelDrafter:
     adaptive_start = 4  # a draft model is right most of the time (the built-in at O3: 90-96%)
 
     def __init__(self, runner: ModelRunner, max_pass_tokens: int, width: int = 1,
-                 keep_up: bool = False) -> None:
+                 keep_up: bool = False, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.runner = runner
         self.max_pass_tokens = max_pass_tokens
         self.width = width
         self.keep_up = keep_up
+        self.eos_token_ids = eos_token_ids
 
     def offer(self, seq: Sequence, cap: int) -> int:
         return cap
@@ -63,7 +67,10 @@ class DraftModelDrafter:
         first = self._catch_up(ends, {c for c, depth in depths.items() if depth})
         levels = {c: [first[c]] for c, depth in depths.items() if depth}  # candidates by depth
         for depth in range(1, max(depths.values(), default=0)):
-            deeper = [c for c in levels if depths[c] > depth]
+            deeper = [c for c in levels
+                      if depths[c] > depth and not self._ends(c.seq, levels[c][-1][0], depth)]
+            if not deeper:
+                break
             steps = [SeqStep(start=c.seq.num_draft_computed, token_ids=[levels[c][-1][0]],
                              page_table=list(c.seq.pages), num_logits=1) for c in deeper]
             for c, candidates in zip(deeper, self._run(steps)):
@@ -71,6 +78,14 @@ class DraftModelDrafter:
                 levels[c].append(candidates)
         for c, candidates in levels.items():
             c.draft = DraftTree.from_candidates(candidates, c.num_lookahead)
+
+    def _ends(self, seq: Sequence, token: int, depth: int) -> bool:
+        """Whether ``token``, drafted ``depth`` tokens after ``seq``'s newest, ends it when
+        accepted (the output processor's rules, before stop strings)."""
+        p = seq.request.params
+        if seq.num_output_tokens + depth < p.min_tokens:
+            return False
+        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
 
     def _catch_up(self, ends: dict[ScheduledChunk, int],
                   drafting: set[ScheduledChunk]) -> dict[ScheduledChunk, list[int]]:

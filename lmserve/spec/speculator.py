@@ -169,9 +169,11 @@ class Speculator:
 
 
 def make_speculator(config: EngineConfig, plan: EnginePlan, target: ModelArgs,
-                    draft_runner: Optional[ModelRunner] = None) -> Optional[Speculator]:
+                    draft_runner: Optional[ModelRunner] = None,
+                    eos_token_ids: frozenset[int] = frozenset()) -> Optional[Speculator]:
     """The config's speculative decoding, or None when it is off. ``draft_runner``: the draft
-    model's worker, for ``small_draft``, or the EAGLE head's; ``target``: the model (Medusa heads must fit it)."""
+    model's worker, for ``small_draft``, or the EAGLE head's; ``target``: the model (Medusa heads
+    must fit it); ``eos_token_ids``: the tokenizer's, where a draft model's chain ends."""
     if config.speculative_mode == "disable":
         return None
     width = config.spec_tree_width
@@ -190,6 +192,7 @@ def make_speculator(config: EngineConfig, plan: EnginePlan, target: ModelArgs,
     elif config.speculative_mode == "eagle":
         drafter = EagleDrafter(draft_runner, draft_runner.model.aux_layers, plan.prefill_chunk_size, width)
     else:
-        drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size, width, plan.bounded)
+        drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size, width, plan.bounded,
+                                    eos_token_ids)
     return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length,
                       config.pipeline_parallel_stages or 1)
