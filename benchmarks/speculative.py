@@ -5,7 +5,7 @@ is for) and plain chat prompts, each sent ``--concurrency`` at a time (greedy, f
 length), to engines with speculation off, the drafter (``--mode``) with fixed draft lengths, and
 with the adaptive length (spec_draft_length=0), each as a chain or as trees (``--widths``,
 spec_tree_width). ``--mode small_draft`` drafts with the built-in model itself at the draft's
-level (O3 by default) for a target at ``--opt`` (e.g. O0: the exact reference output at a
+level (O3 by default; ``--draft-opts`` runs each length at each level given) for a target at ``--opt`` (e.g. O0: the exact reference output at a
 quantized model's speed). ``--mode eagle`` and ``--mode medusa`` draft with the heads in
 ``--heads DIR`` (written by ``lmserve train-heads --kind eagle|medusa --out DIR``). Each configuration's engine lives in its own process for the whole run
 (as a server's would: the adaptive length keeps what it learned); in every round each workload
@@ -20,7 +20,8 @@ off.
 
     .venv/bin/python benchmarks/speculative.py [--mode ngram|small_draft|eagle|medusa] \
         [--heads DIR] [--rounds 3] \
-        [--concurrency 1 4 16] [--lengths 0 2 4 8] [--widths 1 3] [--opt O2] [--max-tokens 96]
+        [--concurrency 1 4 16] [--lengths 0 2 4 8] [--widths 1 3] [--opt O2] [--max-tokens 96] \
+        [--draft-opts O3 O2]
 """
 
 from __future__ import annotations
@@ -129,6 +130,9 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1],
                     help="tree widths to run each length with (1 = a chain)")
     ap.add_argument("--opt", default=None)
+    ap.add_argument("--draft-opts", nargs="+", default=[None],
+                    help="the drafter's levels to run each length with (the draft_opt knob; "
+                         "default: the engine's, O3)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--workloads", nargs="+", default=["grounded", "chat"])
     args = ap.parse_args()
@@ -137,10 +141,14 @@ def main() -> None:
 
     draft = {"ngram": {}, "small_draft": {"additional_models": [builtin_model_path()]}}.get(
         args.mode, {"additional_models": [args.heads]})
+    if args.mode == "ngram" and args.draft_opts != [None]:
+        ap.error("--draft-opts goes with a draft model or heads, not --mode ngram")
     configs = {"off": {}} | {
-        (f"{args.mode} k={k}" if k else f"{args.mode} adaptive") + (f" w={w}" if w > 1 else ""):
+        (f"{args.mode} k={k}" if k else f"{args.mode} adaptive") + (f" w={w}" if w > 1 else "")
+        + (f" {d}" if d else ""):
             dict(speculative_mode=args.mode, spec_draft_length=k, spec_tree_width=w, **draft)
-        for k in args.lengths for w in args.widths
+            | ({"opt": ";".join(filter(None, [args.opt, f"draft_opt={d}"]))} if d else {})
+        for d in args.draft_opts for k in args.lengths for w in args.widths
     }
     print(f"CPU: {cpu_name()}; opt {args.opt or 'default'}; {args.mode}; "
           f"{args.max_tokens} tokens per request; median of {args.rounds} rounds", flush=True)
@@ -176,7 +184,7 @@ def main() -> None:
     for workload in args.workloads:
         for metric, title in METRICS.items():
             print(f"\n{workload} prompts, {title} (ratio to off); acceptance; tokens per step")
-            print(f"{'config':<22}" + "".join(f"{'c=' + str(c):>34}" for c in args.concurrency))
+            print(f"{'config':<26}" + "".join(f"{'c=' + str(c):>34}" for c in args.concurrency))
             for name in configs:
                 cells = []
                 for c in args.concurrency:
@@ -186,7 +194,7 @@ def main() -> None:
                     acceptance = (f" {accepted / drafted:4.0%} {1 + accepted / drafts:4.2f}"
                                   if drafts else " " * 10)
                     cells.append(f"{rate:8.1f} ({ratio:5.2f}x){acceptance}")
-                print(f"{name:<22}" + "".join(f"{cell:>34}" for cell in cells))
+                print(f"{name:<26}" + "".join(f"{cell:>34}" for cell in cells))
 
 
 # What each measurement reports: output tokens/s of the whole batch, prefill included, and the
@@ -226,7 +234,8 @@ class _Worker:
 
 
 def _serve(conn, kwargs: dict, args: argparse.Namespace) -> None:
-    engine = Engine(opt=args.opt, max_num_sequence=max(args.concurrency), verbose=False, **kwargs)
+    engine = Engine(**({"opt": args.opt} | kwargs), max_num_sequence=max(args.concurrency),
+                    verbose=False)
     tok = engine.tokenizer
     workloads = {name: [tok.apply_chat_template([{"role": "user", "content": p}]) for p in texts]
                  for name, texts in (("grounded", grounded_prompts()), ("chat", CHAT))}

@@ -116,6 +116,8 @@ class DraftModelDrafter:
         logits = self.runner.execute(StepInput(steps))
         if not logits.shape[0]:
             return []
+        if self.width == 1:  # (argmax takes half topk's time on a 49,152-token row)
+            return logits.argmax(dim=-1, keepdim=True).tolist()
         return logits.topk(self.width, dim=-1).indices.tolist()
 
 
