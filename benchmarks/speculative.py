@@ -141,8 +141,9 @@ def main() -> None:
 
     draft = {"ngram": {}, "small_draft": {"additional_models": [builtin_model_path()]}}.get(
         args.mode, {"additional_models": [args.heads]})
-    if args.mode == "ngram" and args.draft_opts != [None]:
-        ap.error("--draft-opts goes with a draft model or heads, not --mode ngram")
+    if args.draft_opts != [None] and (args.mode == "ngram" or "draft_opt" in (args.opt or "")):
+        ap.error("--draft-opts goes with a draft model or heads (not --mode ngram), and instead "
+                 "of a draft_opt knob in --opt")
     configs = {"off": {}} | {
         (f"{args.mode} k={k}" if k else f"{args.mode} adaptive") + (f" w={w}" if w > 1 else "")
         + (f" {d}" if d else ""):
@@ -184,7 +185,7 @@ def main() -> None:
     for workload in args.workloads:
         for metric, title in METRICS.items():
             print(f"\n{workload} prompts, {title} (ratio to off); acceptance; tokens per step")
-            print(f"{'config':<26}" + "".join(f"{'c=' + str(c):>34}" for c in args.concurrency))
+            print(f"{'config':<28}" + "".join(f"{'c=' + str(c):>34}" for c in args.concurrency))
             for name in configs:
                 cells = []
                 for c in args.concurrency:
@@ -194,7 +195,7 @@ def main() -> None:
                     acceptance = (f" {accepted / drafted:4.0%} {1 + accepted / drafts:4.2f}"
                                   if drafts else " " * 10)
                     cells.append(f"{rate:8.1f} ({ratio:5.2f}x){acceptance}")
-                print(f"{name:<26}" + "".join(f"{cell:>34}" for cell in cells))
+                print(f"{name:<28}" + "".join(f"{cell:>34}" for cell in cells))
 
 
 # What each measurement reports: output tokens/s of the whole batch, prefill included, and the

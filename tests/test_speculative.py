@@ -526,9 +526,9 @@ class _CountingUpDraft:
 @pytest.mark.parametrize("params, drafts", [
     (SamplingParams(), [7, 8, 9]),  # 9 ends the sequence: nothing drafted after it
     (SamplingParams(ignore_eos=True), [7, 8, 9, 0, 1, 2]),
-    (SamplingParams(min_tokens=6), [7, 8, 9, 0, 1, 2]),  # 9 would be output token 5 of 6
-    (SamplingParams(min_tokens=5), [7, 8, 9]),
+    (SamplingParams(min_tokens=6), [7, 8, 9]),  # banned there: certain to be rejected
     (SamplingParams(stop_token_ids=[8]), [7, 8]),
+    (SamplingParams(stop_token_ids=[8], ignore_eos=True), [7, 8]),
 ])
 def test_a_draft_models_chain_ends_at_a_token_that_would_end_the_sequence(params, drafts):
     seq = Sequence(Request("a", [3, 4], params), 0, [3, 4, 5, 6], None)
@@ -537,6 +537,25 @@ def test_a_draft_models_chain_ends_at_a_token_that_would_end_the_sequence(params
     DraftModelDrafter(_CountingUpDraft(), 64, eos_token_ids=frozenset({9})).propose(
         Batch([chunk]), {chunk: 6})
     assert chunk.draft.token_ids == drafts
+
+
+def test_a_draft_tree_keeps_the_leaves_beside_a_chain_that_ended():
+    """Width 2: the second best token at each depth is a leaf; the chain (best tokens) ends at
+    the end-of-sequence token 9, with its sibling beside it, and nothing deeper."""
+
+    class TwoBest:
+        def execute(self, step):
+            rows = torch.tensor([s.token_ids[-1] for s in step.seqs if s.num_logits], dtype=torch.long)
+            return (2 * torch.nn.functional.one_hot((rows + 1) % 10, 10)
+                    + torch.nn.functional.one_hot((rows + 5) % 10, 10)).float()
+
+    seq = Sequence(Request("a", [3, 4], SamplingParams()), 0, [3, 4, 5, 6], None)
+    seq.num_computed = seq.num_draft_computed = 3
+    chunk = ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=12)
+    DraftModelDrafter(TwoBest(), 64, width=2, eos_token_ids=frozenset({9})).propose(
+        Batch([chunk]), {chunk: 6})
+    assert sorted(chunk.draft.token_ids) == sorted([7, 1, 8, 2, 9, 3])
+    assert max(map(chunk.draft.depth, range(len(chunk.draft)))) == 3
 
 
 def test_the_draft_cache_follows_the_target_and_only_complete_pages_are_cached():

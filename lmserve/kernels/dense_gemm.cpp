@@ -182,7 +182,7 @@ void gemm_tiles(const Args& p) {
 // (Zen 4) that took 8-12% less time than tiles against 4 weight rows for one row, 12-18% for
 // 2-4 rows, and 10-17% less for 5-8 rows than a tile of 4 and one of the rest (the second
 // computing while memory idled). 9-16 rows add a second such tile from L1: 0.7-0.8 of the time
-// of 4x4 tiles (9 rows 1.13x of 8 rows, was 1.6x); from 17 rows on 4x4 tiles are as fast.
+// of 4x4 tiles (9 rows 1.10x of 8 rows, was 1.4x); from 17 rows on 4x4 tiles are as fast.
 void gemm(const Args& p) {
 #if LM_AVX512
   if (p.M <= 16)

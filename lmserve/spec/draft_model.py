@@ -10,8 +10,8 @@ decoding sequence's draft KV catches up in every step, drafted or not: pages are
 oldest key either model still needs, so a lagging draft would hold ever more. With a tree
 width ``w`` > 1 the ``w - 1`` next best tokens at each depth are drafted too, as leaves beside
 the chain: free for the draft, and the target verifies them in the same pass. A chain ends at
-a drafted token that would end its sequence (an end-of-sequence or stop token id): accepted,
-nothing follows it; rejected, neither does the rest of the chain. Its drafts are deterministic
+a drafted stop token id (or end-of-sequence, unless ``ignore_eos``): accepted, it ends the
+sequence; banned before ``min_tokens``, it is rejected, and so is the rest of the chain. Its drafts are deterministic
 (the draft's best tokens), so the target's verification needs no draft probabilities (see
 ``speculator``); after verification the draft's count is clamped to the verified tokens its KV
 holds (``Scheduler.update``).
@@ -68,7 +68,7 @@ class DraftModelDrafter:
         levels = {c: [first[c]] for c, depth in depths.items() if depth}  # candidates by depth
         for depth in range(1, max(depths.values(), default=0)):
             deeper = [c for c in levels
-                      if depths[c] > depth and not self._ends(c.seq, levels[c][-1][0], depth)]
+                      if depths[c] > depth and not self._ends(c.seq, levels[c][-1][0])]
             if not deeper:
                 break
             steps = [SeqStep(start=c.seq.num_draft_computed, token_ids=[levels[c][-1][0]],
@@ -79,12 +79,11 @@ class DraftModelDrafter:
         for c, candidates in levels.items():
             c.draft = DraftTree.from_candidates(candidates, c.num_lookahead)
 
-    def _ends(self, seq: Sequence, token: int, depth: int) -> bool:
-        """Whether ``token``, drafted ``depth`` tokens after ``seq``'s newest, ends it when
-        accepted (the output processor's rules, before stop strings)."""
+    def _ends(self, seq: Sequence, token: int) -> bool:
+        """Whether a drafted ``token`` leaves nothing after it to draft: it ends ``seq`` when
+        accepted (the output processor's rules, before stop strings), and before ``min_tokens``
+        the sampler bans it, so it is rejected."""
         p = seq.request.params
-        if seq.num_output_tokens + depth < p.min_tokens:
-            return False
         return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
 
     def _catch_up(self, ends: dict[ScheduledChunk, int],

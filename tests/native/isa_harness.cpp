@@ -167,10 +167,10 @@ void block_cases() {
 
 // Float32 weights as they are: within float32 rounding of the float64 product; every row the
 // same bits alone (K = 100: six vectors of 16 and a rest of 4; M = 1, 5, 8: one tile of up to 8
-// rows; M = 9: tiles of 4).
+// rows; M = 9, 12: two tiles; M = 17: tiles of 4).
 void dense_cases() {
   const int N = 23, K = 100;  // N: a last strip of 3 columns for tiles of 4 wide, of 1 for 2 wide
-  for (int M : {1, 5, 8, 9}) {
+  for (int M : {1, 5, 8, 9, 12, 17}) {
     const std::vector<float> w = random_floats((size_t)N * K, 1.0f), a = random_floats((size_t)M * K, 1.0f);
     std::vector<float> c((size_t)M * N);
     lm_dense_gemm(a.data(), w.data(), c.data(), M, N, K, 2);
