@@ -5,8 +5,8 @@ is for) and plain chat prompts, each sent ``--concurrency`` at a time (greedy, f
 length), to engines with speculation off, the drafter (``--mode``) with fixed draft lengths, and
 with the adaptive length (spec_draft_length=0), each as a chain or as trees (``--widths``,
 spec_tree_width). ``--mode small_draft`` drafts with the built-in model itself at the draft's
-level (O3 by default; ``--draft-opts`` runs each length at each level given) for a target at ``--opt`` (e.g. O0: the exact reference output at a
-quantized model's speed). ``--mode eagle`` and ``--mode medusa`` draft with the heads in
+level (O3 by default; ``--draft-opts`` runs each length at each level given) for a target at
+``--opt`` (e.g. O0: the exact reference output at a quantized model's speed). ``--mode eagle`` and ``--mode medusa`` draft with the heads in
 ``--heads DIR`` (written by ``lmserve train-heads --kind eagle|medusa --out DIR``). Each configuration's engine lives in its own process for the whole run
 (as a server's would: the adaptive length keeps what it learned); in every round each workload
 and concurrency is measured by every configuration in turn, back to back, in a rotating order.

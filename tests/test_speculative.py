@@ -516,11 +516,13 @@ def test_a_draft_model_changes_no_output_alone_in_company_or_seeded(builtin_engi
 
 
 class _CountingUpDraft:
-    """A draft model's runner whose best next token is the previous one plus 1 (mod 10)."""
+    """A draft model's runner whose best next token is the previous one plus 1 (mod 10), and
+    its second best the previous one plus 5."""
 
     def execute(self, step):
         rows = torch.tensor([s.token_ids[-1] for s in step.seqs if s.num_logits], dtype=torch.long)
-        return torch.nn.functional.one_hot((rows + 1) % 10, 10).float()
+        one_hot = torch.nn.functional.one_hot
+        return (2 * one_hot((rows + 1) % 10, 10) + one_hot((rows + 5) % 10, 10)).float()
 
 
 @pytest.mark.parametrize("params, drafts", [
@@ -542,17 +544,10 @@ def test_a_draft_models_chain_ends_at_a_token_that_would_end_the_sequence(params
 def test_a_draft_tree_keeps_the_leaves_beside_a_chain_that_ended():
     """Width 2: the second best token at each depth is a leaf; the chain (best tokens) ends at
     the end-of-sequence token 9, with its sibling beside it, and nothing deeper."""
-
-    class TwoBest:
-        def execute(self, step):
-            rows = torch.tensor([s.token_ids[-1] for s in step.seqs if s.num_logits], dtype=torch.long)
-            return (2 * torch.nn.functional.one_hot((rows + 1) % 10, 10)
-                    + torch.nn.functional.one_hot((rows + 5) % 10, 10)).float()
-
     seq = Sequence(Request("a", [3, 4], SamplingParams()), 0, [3, 4, 5, 6], None)
     seq.num_computed = seq.num_draft_computed = 3
     chunk = ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=12)
-    DraftModelDrafter(TwoBest(), 64, width=2, eos_token_ids=frozenset({9})).propose(
+    DraftModelDrafter(_CountingUpDraft(), 64, width=2, eos_token_ids=frozenset({9})).propose(
         Batch([chunk]), {chunk: 6})
     assert sorted(chunk.draft.token_ids) == sorted([7, 1, 8, 2, 9, 3])
     assert max(map(chunk.draft.depth, range(len(chunk.draft)))) == 3

@@ -11,10 +11,10 @@ oldest key either model still needs, so a lagging draft would hold ever more. Wi
 width ``w`` > 1 the ``w - 1`` next best tokens at each depth are drafted too, as leaves beside
 the chain: free for the draft, and the target verifies them in the same pass. A chain ends at
 a drafted stop token id (or end-of-sequence, unless ``ignore_eos``): accepted, it ends the
-sequence; banned before ``min_tokens``, it is rejected, and so is the rest of the chain. Its drafts are deterministic
-(the draft's best tokens), so the target's verification needs no draft probabilities (see
-``speculator``); after verification the draft's count is clamped to the verified tokens its KV
-holds (``Scheduler.update``).
+sequence; banned before ``min_tokens``, it is rejected, and so is the rest of the chain. Its
+drafts are deterministic (the draft's best tokens), so the target's verification needs no
+draft probabilities (see ``speculator``); after verification the draft's count is clamped to
+the verified tokens its KV holds (``Scheduler.update``).
 """
 
 from __future__ import annotations
