@@ -4,6 +4,7 @@ never changes the output."""
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
 from lmserve.spec.draft_vocab import read_draft_vocab, write_draft_vocab
+from lmserve.spec import eagle
 from lmserve.spec.eagle import EagleDrafter
 from lmserve.spec.eagle_heads import eagle_layer_args, read_eagle_heads
 from lmserve.spec.head_nets import EagleNet
@@ -223,33 +225,24 @@ def test_the_dynamic_tree_keeps_the_most_likely_paths():
 
 
 @pytest.mark.parametrize("width, depth, budget", [(3, 3, 7), (1, 4, 4)])
+@pytest.mark.parametrize("cut", [False, True])
 @torch.inference_mode()
-def test_the_drafter_grows_eagle2s_tree_on_what_the_plain_head_predicts(target, width, depth, budget):
+def test_the_drafter_grows_eagle2s_tree_on_what_the_plain_head_predicts(target, monkeypatch, width,
+                                                                        depth, budget, cut):
     """One sequence's EAGLE-2 tree from the engine's drafter (paged, batched, a pass per depth)
     against the same tree grown by brute force on ``EagleNet``: each node's head state from
     running the head over the context and the node's own path. Width 1: a chain, whose earlier
-    nodes' KV the head keeps between passes."""
+    nodes' KV the head keeps between passes. ``cut``: only nodes at least as likely as the
+    second depth's best are expanded (``MIN_PATH_LOG_PROB``, which a random head's paths are
+    all far below)."""
     model_dir, args, nets, heads = target
+    net = nets[1]
+    tokens = list(range(400, 430))
+    features = torch.randn(len(tokens) - 1, HIDDEN, generator=torch.Generator().manual_seed(3))
+    rotary = RotaryEmbedding(net.args.head_dim, 64, net.args.rope_theta)
     engine = Engine(model=model_dir, opt="O0;draft_opt=O0", verbose=False, speculative_mode="eagle",
                     additional_models=[heads["eagle1"]], kv_cache_page_size=16)
-    try:
-        model = engine._core.runner.model
-        drafter = EagleDrafter(engine._core.draft_runner, (), 64, width)
-        tokens = list(range(400, 430))
-        features = torch.randn(len(tokens) - 1, HIDDEN, generator=torch.Generator().manual_seed(3))
-        seq = Sequence(Request("r", tokens, SamplingParams()), 0, list(tokens), None)
-        seq.pages, seq.num_computed = [0, 1, 2], len(tokens) - 1
-        EagleDrafter.observe(seq, 0, features)
-        chunk = ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=budget)
-        runner, passes = engine._core.draft_runner, []
-        execute = runner.execute
-        runner.execute = lambda *a: passes.append(execute(*a)) or passes[-1]
-        drafter.propose(Batch([chunk]), {chunk: depth})
-    finally:
-        engine.shutdown()
-    net = nets[1]
-    rotary = RotaryEmbedding(net.args.head_dim, 64, net.args.rope_theta)
-
+    model = engine._core.runner.model
     values, states = {}, {}  # per path of tokens: its log-probability, the head's state after it
 
     def expand(path: tuple[int, ...]) -> None:
@@ -262,15 +255,43 @@ def test_the_drafter_grows_eagle2s_tree_on_what_the_plain_head_predicts(target, 
         for token, log_prob in zip(best.indices.tolist(), best.values.tolist()):
             values[path + (token,)] = values.get(path, 0.0) + log_prob
 
-    frontier = [()]
-    for d in range(depth):
-        for path in frontier:
-            expand(path)
-        last, frontier = frontier, sorted([p for p in values if len(p) == d + 1],
+    def grow(min_log_prob: float) -> list[tuple[int, ...]]:
+        """``values`` of the tree grown by brute force; returns the last paths expanded."""
+        values.clear()
+        frontier, last = [()], []
+        for d in range(depth):
+            for path in frontier:
+                expand(path)
+            last = frontier
+            frontier = [p for p in sorted([p for p in values if len(p) == d + 1],
                                           key=lambda p: -values[p])[:width]
-    # The drafter's last pass: the logits of the last nodes it expanded.
-    expected_logits = model.logits(torch.stack([states[p] for p in last]))
+                        if values[p] >= min_log_prob]
+            if not frontier:
+                break
+        return last
+
+    grow(-math.inf)
+    whole = len(values)
+    min_log_prob = max(v for p, v in values.items() if len(p) == 2) if cut else -math.inf
+    monkeypatch.setattr(eagle, "MIN_PATH_LOG_PROB", min_log_prob)
+    try:
+        drafter = EagleDrafter(engine._core.draft_runner, (), 64, width)
+        seq = Sequence(Request("r", tokens, SamplingParams()), 0, list(tokens), None)
+        seq.pages, seq.num_computed = [0, 1, 2], len(tokens) - 1
+        EagleDrafter.observe(seq, 0, features)
+        chunk = ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=budget)
+        runner, passes = engine._core.draft_runner, []
+        execute = runner.execute
+        runner.execute = lambda *a: passes.append(execute(*a)) or passes[-1]
+        drafter.propose(Batch([chunk]), {chunk: depth})
+        last = grow(min_log_prob)
+        # The drafter's last pass: the logits of the last nodes it expanded.
+        expected_logits = model.logits(torch.stack([states[p] for p in last]))
+    finally:
+        engine.shutdown()
     assert torch.allclose(passes[-1], expected_logits, atol=1e-4, rtol=1e-4)
+    assert len(passes) == 1 + max(map(len, last))  # (the catch-up, then a pass per depth)
+    assert cut == (len(values) < whole)
     expected = set(sorted(values, key=lambda p: (-values[p], len(p)))[:budget])
     draft = chunk.draft
     got = {tuple(draft.token_ids[i] for i in draft.path(n)) for n in range(len(draft))}
