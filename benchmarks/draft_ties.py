@@ -4,13 +4,16 @@ token's logit over its second best), and what ending a chain after a near tie wo
 The target (``--opt``, default O0) answers the speculative benchmark's prompts greedily (64
 tokens, past the end of each answer as that benchmark does); the draft (the built-in model at
 ``--draft-opt``, default O3: the target's own weights, rounded) then scores each answer
-teacher-forced (``prompt_logprobs``), which is exactly what it drafts there while the drafts
-before are accepted. Prints, per margin band, the share of positions, how often the draft's best
+teacher-forced (``prompt_logprobs``): what it drafts there while the drafts before are accepted
+(up to the rounding of its KV, which a prefill writes as decoding does, in another order). Prints, per margin band, the share of positions, how often the draft's best
 token is the target's, and how often the target's is among the draft's two best. Then replays
 chains of ``k`` drafts that end after the first draft with a margin under each threshold (``-``:
 never), on the recorded answers, with a step's cost from times measured in the same run (a draft
 pass of one token, the target's pass at 1..k+1 tokens), and prints tokens per step and the
-replayed speed over plain decoding.
+replayed speed over plain decoding. The replay leaves out what the engine does besides the
+passes (sampling, scheduling; a drafted step's catch-up of two tokens), and after a rejected
+draft it runs the chain on as the recorded margins say: a guide to the rule's threshold, not a
+measure of speed (benchmarks/speculative.py is).
 
     .venv/bin/python benchmarks/draft_ties.py [--draft-opt O3] [--lengths 6 8 10]
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Optional
 
 from speculative import CHAT, grounded_prompts
 
@@ -57,6 +61,8 @@ def pass_ms(engine: Engine, prompt: list[int], tokens: int, reps: int = 15) -> f
     with every token's logits (a verify step of ``tokens - 1`` drafts). Run on the engine thread
     when no request is left: the pass writes KV into pages the prefix cache may hold, so the
     engine serves nothing after it."""
+    assert engine.is_idle(), "a pass over pages the prefix cache may hold, with requests in flight"
+
     def run() -> float:
         page = engine.plan.page_size
         pages = list(range((len(prompt) + tokens + page - 1) // page))
@@ -69,16 +75,16 @@ def pass_ms(engine: Engine, prompt: list[int], tokens: int, reps: int = 15) -> f
             times.append(time.perf_counter() - start)
         return 1e3 * statistics.median(times)
 
-    return engine._loop.call(run)
+    return engine._loop.call(run, timeout=3600)
 
 
-def replay(views: list[list[tuple[bool, float, bool]]], k: int, threshold, verify: list[float],
-           draft: float) -> tuple[float, float]:
+def replay(views: list[list[tuple[bool, float, bool]]], k: int, threshold: Optional[float],
+           verify: list[float], draft: float) -> tuple[float, float]:
     """(tokens per step, milliseconds per token) of chains of at most ``k`` drafts that end
-    after a margin under ``threshold``."""
+    after a margin under ``threshold`` (None: never)."""
     tokens = steps = ms = 0.0
     for view in views:
-        i = 0
+        i = 1  # (an answer's first token is the prefill's)
         while i < len(view):
             drafted = accepted = 0
             alive = True
@@ -98,9 +104,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--opt", default="O0", help="the target's level")
     ap.add_argument("--draft-opt", default="O3")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[6, 8, 10])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[6, 8, 10],
+                    help="fixed draft lengths to replay (no adaptive length here)")
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
+    if min(args.lengths) < 1:
+        ap.error("--lengths: draft lengths of at least 1")
     workloads = {"chat": CHAT, "grounded": grounded_prompts()}
     target = Engine(opt=args.opt, max_num_sequence=1, verbose=False)
     chat = {name: [target.tokenizer.apply_chat_template([{"role": "user", "content": p}])
@@ -129,8 +138,9 @@ def main() -> None:
         for lo, hi in zip(BANDS, BANDS[1:]):
             band = [v for v in flat if lo <= v[1] < hi]
             if band:
-                print(f"[{lo:g}, {hi:g}){'':<{14 - len(f'[{lo:g}, {hi:g})')}}"
-                      f"{len(band) / len(flat):>10.1%}{sum(a for a, _, _ in band) / len(band):>9.1%}"
+                label = f"[{lo:g}, {hi:g})"
+                print(f"{label:<14}{len(band) / len(flat):>10.1%}"
+                      f"{sum(a for a, _, _ in band) / len(band):>9.1%}"
                       f"{sum(t for _, _, t in band) / len(band):>10.1%}")
         plain = verify[0]
         print(f"replayed: tokens a step, speed over plain decoding ({plain:.1f} ms a token)")

@@ -138,7 +138,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         spec = dataclasses.replace(config, speculative_mode=args.kind, spec_draft_length=k,
                                    additional_models=[args.out])
         stats, _ = measure_acceptance(spec, held_out, args.max_tokens)
-        _log(f"held-out acceptance on {len(held_out)} prompts, {k} drafts a step: "
+        _log(f"held-out acceptance on {len(held_out)} prompts, at most {k} drafts a step: "
              f"{acceptance_length(stats):.2f} tokens per step, "
              f"{stats.spec_num_accepted_tokens / max(stats.spec_num_draft_tokens, 1):.1%} of drafts accepted")
     return 0
