@@ -46,9 +46,8 @@ def draft_view(engine: Engine, prompt: list[int],
                answer: list[int]) -> list[tuple[bool, float, bool]]:
     """Per answer token: (the draft's best token is it, the draft's margin there, it is among
     the draft's two best)."""
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
-    scored = next(o.prompt_logprobs for o in engine.generate(prompt + answer, params)
-                  if o.prompt_logprobs is not None)
+    params = SamplingParams(max_tokens=0, prompt_logprobs=2)  # (as quality.py scores a text)
+    scored = next(iter(engine.generate(prompt + answer, params))).prompt_logprobs
     view = []
     for token, entry in zip(answer, scored[len(prompt):]):
         (best, first), (runner_up, second) = entry.top[:2]

@@ -18,13 +18,13 @@ once ``CATCH_UP_TOKENS`` wait, so they never hold much memory. Drafts are the he
 (deterministic, q = 1), so verification needs no draft probabilities (see ``speculator``). With
 ``spec_tree_width`` w > 1 they form EAGLE-2's dynamic tree (``dynamic_tree``): each pass runs
 the tree so far through the head (its nodes attend their ancestors only) to expand the w most
-likely nodes of the newest depth by w tokens each.
+likely nodes of the newest depth by w tokens each. A node whose path the head finds unlikely
+(``MIN_PATH_LOG_PROB``) is not expanded, chain or tree.
 """
 
 from __future__ import annotations
 
 import math
-
 from typing import Optional
 
 import torch
@@ -48,6 +48,16 @@ from lmserve.worker import attention_backend
 
 # Features a sequence may hold before the head runs them, drafting or not.
 CATCH_UP_TOKENS = 64
+
+# A node is expanded only while its path is likely enough: the head's path probability tracks
+# the chance that the target accepts the path (EAGLE-2; heads trained here: first drafts at
+# p < 0.1 accepted 6%, 0.3-0.5 30%, 0.7-0.9 77%), and below 0.2 a pass of the head and the
+# verify rows of its children cost more than they are expected to earn. Long fixed lengths then
+# stop paying for hopeless depths: at the O0 target k=8 ran at 1.26x plain decoding against
+# 0.82x without; at the default level k=4 at 1.01x against 0.61x (chat, one stream,
+# performance.md).
+MIN_PATH_LOG_PROB = math.log(0.2)
+
 _MIN_ROWS = 16  # a feature buffer's least room
 
 
@@ -187,16 +197,6 @@ class _Pending:
             self._buffer = rest.new_empty((max(len(rest), _MIN_ROWS), rest.shape[1]))
         self._buffer[: len(rest)] = rest.clone() if len(rest) > n else rest  # (overlapping)
         self.start, self._size = self.start + n, len(rest)
-
-
-# A node is expanded only while its path is likely enough: the head's path probability tracks
-# the chance that the target accepts the path (EAGLE-2; heads trained here: first drafts at
-# p < 0.1 accepted 6%, 0.3-0.5 30%, 0.7-0.9 77%), and below 0.2 a pass of the head and the
-# verify rows of its children cost more than they are expected to earn. Long fixed lengths then
-# stop paying for hopeless depths: at the O0 target k=8 ran at 1.26x plain decoding against
-# 0.82x without; at the default level k=4 at 1.01x against 0.61x (chat, one stream,
-# performance.md).
-MIN_PATH_LOG_PROB = math.log(0.2)
 
 
 class EagleDrafter:
