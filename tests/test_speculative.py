@@ -265,6 +265,35 @@ def test_a_try_is_timed_after_the_switch_that_a_drafter_which_sat_out_pays_for(s
         assert policy.choose(1) == DraftChoice(1, 0)  # the current length, timed
 
 
+def test_tries_that_lose_cost_at_most_two_percent_and_a_change_of_workload_is_found():
+    """A full, compute-bound batch (a draft costs a plain step's time again; the first step
+    after plain decoding one more, for a drafter that catches up): one draft accepted 35% of
+    the time loses (1.35 tokens for 2), and the policy stays at 0. Its tries each cost about
+    2.3 plain steps; tried every 64 steps they cost 3.6% of the time (goodput 0.963 of plain
+    decoding's), spaced by their cost 2% (0.980, EAGLE at c=16: 0.95x -> 0.98x). Then drafts
+    get cheap and right (the text turns to copying, 90%): a winning try is tried again soon,
+    and the policy drafts within a few hundred steps."""
+    policy, rng, previous = AdaptiveDraftLength(), random.Random(0), 0
+
+    def run(steps: int, acceptance: float, per_draft: float) -> tuple[float, list[int]]:
+        nonlocal previous
+        tokens, seconds, chosen = 0.0, 0.0, []
+        for _ in range(steps):
+            choice = policy.choose(16)
+            k = choice.length
+            took = 1.0 if k == 0 else 1.0 + per_draft * k + (previous == 0)
+            accepted = [_accepted(rng, acceptance, k) for _ in range(16)]
+            policy.observe(choice, took, [(k, a) for a in accepted])
+            tokens, seconds, previous = tokens + 1 + sum(accepted) / 16, seconds + took, k
+            chosen.append(k)
+        return tokens / seconds, chosen
+
+    goodput, chosen = run(3000, 0.35, 1.0)
+    assert goodput > 0.975 and chosen[-500:].count(0) >= 480
+    _, chosen = run(1000, 0.9, 0.2)
+    assert chosen[400:].count(0) <= 30
+
+
 def test_steps_without_drafts_do_not_measure_the_length_that_allowed_them():
     """Prompt lookup drafts only where the text repeats: stretches with matches alternate with
     stretches without, where every length runs as plain decoding. Measured as the length's,

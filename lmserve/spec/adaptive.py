@@ -25,11 +25,15 @@ of percent here, so both are measured, apart:
   prefill or of another batch size, drops the try.)
 
 Length 0 is plain decoding, so when drafts do not pay the engine stops drafting, and tries again
-now and then in case the workload changed.
+now and then in case the workload changed. Once the current length beats both neighbours, tries
+are spaced by what they cost, to at most ``_TRY_SHARE`` of the time: in a full batch a try of
+one draft costs two or three plain steps, and every 64 steps that was 4-5% (EAGLE, c=16). A
+neighbour that wins a try is tried again soon.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
@@ -39,6 +43,8 @@ from typing import Optional
 LENGTHS = (0, 1, 2, 3, 4, 6, 8)
 MAX_ADAPTIVE_K = LENGTHS[-1]
 _FIRST_INTERVAL, _MAX_INTERVAL = 4, 64  # steps between tries of a neighbouring length
+_TRY_SHARE = 0.02  # of the time, at most, that tries losing to the current length cost
+_LONGEST_INTERVAL = 512  # steps between such tries at the most
 _RECENT = 15  # the current length's latest step times, whose median is its time
 _TRIES_KEPT = 5  # a neighbour's latest relative times, whose median is its relative time
 _DECAY = 0.99  # per drafted step, the weight of a position's earlier acceptance counts
@@ -111,6 +117,7 @@ class _BatchSize:
     interval: int = _FIRST_INTERVAL  # steps between tries of a neighbour
     until_try: int = _FIRST_INTERVAL
     tried_above: bool = False  # which neighbour the last try took
+    switch_seconds: float = 0.0  # the try under way's untimed steps' seconds a sequence-step
 
     def seconds(self) -> Optional[float]:
         return median(self.recent) if self.recent else None
@@ -176,6 +183,7 @@ class AdaptiveDraftLength:
             index = min(max(index + (1 if bucket.tried_above else -1), 0), len(LENGTHS) - 1)
             if index != bucket.current:
                 self._trying = _Try(key, index, self._switch_steps - 1)
+                bucket.switch_seconds = 0.0
                 return DraftChoice(num_seqs, LENGTHS[index], timed=False)
         return DraftChoice(num_seqs, LENGTHS[index])
 
@@ -195,10 +203,11 @@ class AdaptiveDraftLength:
         if seconds <= 0 or not outcomes or (choice.length and not drafted):
             return
         self._acceptance.add(outcomes)
-        if not choice.timed:
-            return
         bucket, index = self._bucket(_key(choice.num_seqs)), LENGTHS.index(choice.length)
         per_seq = seconds / len(outcomes)
+        if not choice.timed:
+            bucket.switch_seconds += per_seq
+            return
         if index == bucket.current:
             bucket.recent.append(per_seq)
             return
@@ -209,11 +218,38 @@ class AdaptiveDraftLength:
         gain = self._gain(bucket, index)
         if gain is None:
             return
-        if len(tries) >= _MIN_TRIES and gain > 1 + _MARGIN:
-            bucket.move(index)
-            self._trying = None
-        elif gain < 1 and len(tries) >= _MIN_TRIES:
-            bucket.interval = min(2 * bucket.interval, _MAX_INTERVAL)
+        if gain > 1 + _MARGIN:
+            if len(tries) >= _MIN_TRIES:
+                bucket.move(index)
+                self._trying = None
+            else:  # (tried again soon, however long tries have been spaced)
+                bucket.interval = bucket.until_try = _FIRST_INTERVAL
+        elif gain < 1:
+            if len(tries) >= _MIN_TRIES:
+                bucket.interval = max(bucket.interval, min(2 * bucket.interval, _MAX_INTERVAL))
+            if self._is_best(bucket):
+                self._back_off(bucket, index, per_seq)
+
+    def _is_best(self, bucket: _BatchSize) -> bool:
+        """Whether the current length beats each of its neighbours as measured so far."""
+        neighbours = {max(bucket.current - 1, 0), min(bucket.current + 1, len(LENGTHS) - 1)}
+        gains = [self._gain(bucket, i) for i in neighbours - {bucket.current}]
+        return all(g is not None and g < 1 for g in gains)
+
+    def _back_off(self, bucket: _BatchSize, index: int, per_seq: float) -> None:
+        """Once the current length beats its neighbours, space the tries so that they cost at
+        most ``_TRY_SHARE`` of the time, going by the try of ``LENGTHS[index]`` just measured
+        (its timed step took ``per_seq`` a sequence-step). A try costs what its steps (the
+        switch's too) took over what the current length takes for the tokens they are expected
+        to yield: a few percent of a step between neighbouring lengths that both pay, two or
+        three steps to draft at all in a full, compute-bound batch (its verify costs twice a
+        plain step, and drafters on hidden states first catch up on the tokens they skipped)."""
+        steps = self._switch_steps + 1
+        tokens = self._acceptance.tokens(LENGTHS[index]) / self._acceptance.tokens(
+            LENGTHS[bucket.current])
+        loss = (bucket.switch_seconds + per_seq) / bucket.seconds() - steps * tokens
+        bucket.interval = max(bucket.interval, min(math.ceil(loss / _TRY_SHARE), _LONGEST_INTERVAL))
+        bucket.until_try = max(bucket.until_try, bucket.interval)
 
     def _bucket(self, key: int) -> _BatchSize:
         bucket = self._buckets.get(key)
@@ -225,7 +261,7 @@ class AdaptiveDraftLength:
         """The expected goodput of ``LENGTHS[index]`` over the current length's, once known."""
         mine = self._acceptance.tokens(LENGTHS[index])
         current = self._acceptance.tokens(LENGTHS[bucket.current])
-        if mine is None or current is None:
+        if mine is None or current is None or index not in bucket.relative:
             return None
         return mine / current / bucket.relative_seconds(index)
 
