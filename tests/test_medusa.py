@@ -2,6 +2,7 @@
 from them never changes the output."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ from lmserve import Engine, SamplingParams
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
+from lmserve.request import Request, Sequence
+from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.spec import medusa
 from lmserve.spec.draft_vocab import write_draft_vocab
 from lmserve.spec.medusa import MedusaDrafter, read_medusa_heads
 from tiny_models import make_hf_llama, random_model
@@ -48,6 +52,14 @@ def write_heads(directory, tensors, choices=None, fmt: str = "safetensors") -> s
     else:
         torch.save(tensors, str(directory / "medusa_lm_head.pt"))
     return str(directory)
+
+
+@pytest.fixture(autouse=True)
+def every_path_drafted(monkeypatch):
+    """Random heads' paths are far less likely than the drafter's cut (``MIN_PATH_LOG_PROB``),
+    which would end every chain and tree at its first depth: here they are drafted whole, so
+    that deep chains and trees run end to end (the test of the cut sets its own)."""
+    monkeypatch.setattr(medusa, "MIN_PATH_LOG_PROB", -math.inf)
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +206,43 @@ def test_unseeded_sampling_with_medusa_follows_the_models_distribution(target):
     model_dir, heads = target
     assert_drafts_keep_the_distribution(model_dir, speculative_mode="medusa",
                                         additional_models=[heads["medusa"]], spec_draft_length=3)
+
+
+@pytest.mark.parametrize("heads_kind, width", [("medusa", 1), ("medusa", 2), ("choices", 1)])
+@pytest.mark.parametrize("cut", [None, 1, 2])
+@torch.inference_mode()
+def test_a_path_goes_on_only_while_the_heads_find_it_likely(target, monkeypatch, heads_kind,
+                                                             width, cut):
+    """The drafter's tree against one built by brute force from the heads' log-probabilities:
+    a node's children are drafted only while its path (the sum of its tokens' log-probabilities,
+    each from its depth's head) is at least ``MIN_PATH_LOG_PROB``; ``cut``: that of the best
+    first draft's path (1) or the best second-depth path (2), so the chain ends there."""
+    model_dir, heads = target
+    drafter = MedusaDrafter(read_medusa_heads(heads[heads_kind], read_model_args(model_dir)),
+                            parse_opt("O0"), width)
+    hidden = 3 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(7))
+    best = drafter.logits(hidden[None])[:, 0].log_softmax(-1).topk(2)  # (depth, rank)
+    vocab = drafter.vocab if drafter.vocab is not None else torch.arange(best.indices.max() + 1)
+    token = vocab[best.indices].tolist()
+    log_prob = best.values.tolist()
+    chain = [log_prob[0][0], log_prob[0][0] + log_prob[1][0]]
+    min_log_prob = -math.inf if cut is None else chain[cut - 1]
+    monkeypatch.setattr(medusa, "MIN_PATH_LOG_PROB", min_log_prob)
+
+    def value(ranks: tuple[int, ...]) -> float:
+        return sum(log_prob[d][r] for d, r in enumerate(ranks))
+
+    if drafter.choices is not None:
+        paths = {p[:n] for p in drafter.choices for n in range(1, len(p) + 1)}
+    else:
+        paths = {(0,) * d + (r,) for d in range(HEADS) for r in range(width)}
+    expected = {tuple(token[d][r] for d, r in enumerate(p)) for p in paths
+                if value(p[:-1]) >= min_log_prob}
+    seq = Sequence(Request("r", [1, 2, 3], SamplingParams()), 0, [1, 2, 3], None)
+    seq.draft_state = hidden
+    chunk = ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=16)
+    drafter.propose(Batch([chunk]), {chunk: HEADS})
+    draft = chunk.draft
+    got = {tuple(draft.token_ids[i] for i in draft.path(n)) for n in range(len(draft))}
+    assert got == expected
+    assert max(map(len, got)) == (HEADS if cut is None else cut + 1)

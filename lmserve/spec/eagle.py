@@ -24,7 +24,6 @@ likely nodes of the newest depth by w tokens each. A node whose path the head fi
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -43,20 +42,12 @@ from lmserve.spec.draft_level import head_formats, head_linear
 from lmserve.spec.draft_vocab import to_token_ids
 from lmserve.spec.eagle_heads import EagleHeads
 from lmserve.spec.dynamic_tree import CandidateTree
+from lmserve.spec.tree import MIN_PATH_LOG_PROB
 from lmserve.step import SeqStep, StepInput
 from lmserve.worker import attention_backend
 
 # Features a sequence may hold before the head runs them, drafting or not.
 CATCH_UP_TOKENS = 64
-
-# A node is expanded only while its path is likely enough: the head's path probability tracks
-# the chance that the target accepts the path (EAGLE-2; heads trained here: first drafts at
-# p < 0.1 accepted 6%, 0.3-0.5 30%, 0.7-0.9 77%), and below 0.2 a pass of the head and the
-# verify rows of its children cost more than they are expected to earn. Long fixed lengths then
-# stop paying for hopeless depths: at the O0 target k=8 ran at 1.26x plain decoding against
-# 0.82x without; at the default level k=4 at 1.01x against 0.61x (chat, one stream,
-# performance.md).
-MIN_PATH_LOG_PROB = math.log(0.2)
 
 _MIN_ROWS = 16  # a feature buffer's least room
 

@@ -7,7 +7,9 @@ projection. So all depths are drafted at once from the hidden state of the last 
 which the target's verify pass computes anyway: no draft model, no second pass. The drafts are
 the heads' best tokens (deterministic, q = 1, so verification needs no draft probabilities, see
 ``speculator``); with a tree, the heads' top candidates as Medusa's ``medusa_choices`` (paths of
-ranks) or, without them, the best chain with the next best tokens as leaves.
+ranks) or, without them, the best chain with the next best tokens as leaves. A node's children
+are drafted only while its path is likely enough by the heads (``MIN_PATH_LOG_PROB``, the sum of
+its tokens' log-probabilities, each from its own head), as EAGLE's.
 
 Heads load from the layouts people publish: FasterDecoding's directory (``config.json`` with
 ``medusa_num_heads`` and ``medusa_num_layers``; ``medusa_lm_head.safetensors`` with
@@ -36,7 +38,7 @@ from lmserve.request import Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.spec.draft_level import head_formats, head_linear
 from lmserve.spec.draft_vocab import read_draft_vocab, to_token_ids
-from lmserve.spec.tree import MAX_TREE_TOKENS, DraftTree
+from lmserve.spec.tree import MAX_TREE_TOKENS, MIN_PATH_LOG_PROB, DraftTree
 
 _FILES = ("medusa_lm_head.safetensors", "model.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin",
           "pytorch_model.bin")
@@ -218,16 +220,23 @@ class MedusaDrafter:
         deepest = max(depths[c] for c in drafting)
         logits = self.logits(torch.stack([c.seq.draft_state for c in drafting]), deepest)
         ranks = max((max(c) + 1 for c in self.choices), default=1) if self.choices else self.width
-        top = to_token_ids(logits.topk(ranks, dim=-1).indices, self.vocab)  # (k, B, ranks)
+        best = logits.log_softmax(dim=-1).topk(ranks, dim=-1)
+        top = to_token_ids(best.indices, self.vocab)  # (k, B, ranks)
         for b, c in enumerate(drafting):
             levels = top[: depths[c], b].tolist()  # per depth, its candidates best first
+            log_probs = best.values[: depths[c], b].tolist()
             if self.choices is not None:
                 tree = DraftTree()
-                for path in self.choices:
-                    if len(path) <= depths[c]:
+                for path in (p for p in self.choices if len(p) <= depths[c]):
+                    parent = sum(log_probs[d][rank] for d, rank in enumerate(path[:-1]))
+                    if parent >= MIN_PATH_LOG_PROB:
                         node = -1
                         for depth, rank in enumerate(path):
                             node = tree.add(node, levels[depth][rank])
-            else:
-                tree = DraftTree.from_candidates(levels, c.num_lookahead)
+            else:  # the chain goes on past a node while its path is likely enough
+                path, depth = 0.0, 0
+                while depth < len(levels) and path >= MIN_PATH_LOG_PROB:
+                    path += log_probs[depth][0]
+                    depth += 1
+                tree = DraftTree.from_candidates(levels[:depth], c.num_lookahead)
             c.draft = tree.truncated(c.num_lookahead, depths[c])

@@ -11,11 +11,22 @@ nodes ``0, 1, 2, ...`` (the main chain, which drafters put first) needs no move.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Tokens one sequence's tree step may hold with its newest token: the C++ kernel keeps a tree
 # token's ancestors as the bits of one 64-bit word.
 MAX_TREE_TOKENS = 64
+
+# A drafter on the target's hidden states (EAGLE, Medusa) drafts a node's children only while
+# the node's path is likely enough by the heads' own probabilities: they track the chance that
+# the target accepts the path (EAGLE-2; an EAGLE head trained here: first drafts at p < 0.1
+# accepted 6%, 0.3-0.5 30%, 0.7-0.9 77%), and below 0.2 the drafts after it (a head pass each
+# for EAGLE) and their verify rows cost more than they are expected to earn. Long fixed lengths
+# then stop paying for hopeless depths: EAGLE at the O0 target, k=8, 1.26x plain decoding against
+# 0.82x without; Medusa at the default level, k=4, 0.81x against 0.71x at one stream and 0.52x
+# against 0.24x at c=16 (chat; performance.md).
+MIN_PATH_LOG_PROB = math.log(0.2)
 
 
 @dataclass
