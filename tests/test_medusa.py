@@ -244,5 +244,6 @@ def test_a_path_goes_on_only_while_the_heads_find_it_likely(target, monkeypatch,
     drafter.propose(Batch([chunk]), {chunk: HEADS})
     draft = chunk.draft
     got = {tuple(draft.token_ids[i] for i in draft.path(n)) for n in range(len(draft))}
-    assert got == expected
+    assert got == expected and len(draft) == len(expected)  # (no node twice)
+    assert all(parent < i for i, parent in enumerate(draft.parents))
     assert max(map(len, got)) == (HEADS if cut is None else cut + 1)

@@ -270,9 +270,10 @@ def test_tries_that_lose_cost_at_most_two_percent_and_a_change_of_workload_is_fo
     after plain decoding one more, for a drafter that catches up): one draft accepted 35% of
     the time loses (1.35 tokens for 2), and the policy stays at 0. Its tries each cost about
     2.3 plain steps; tried every 64 steps they cost 3.6% of the time (goodput 0.963 of plain
-    decoding's), spaced by their cost 2% (0.980, EAGLE at c=16: 0.95x -> 0.98x). Then drafts
-    get cheap and right (the text turns to copying, 90%): a winning try is tried again soon,
-    and the policy drafts within a few hundred steps."""
+    decoding's), spaced by their cost 2% (0.979, EAGLE at c=16: 0.95x -> 0.98x). Then drafts
+    get cheap and right (the text turns to copying, 90%): a try that wins brings the tries back
+    to every few steps, and the policy drafts within 200 steps (some 500 if the next tries
+    waited their spacing)."""
     policy, rng, previous = AdaptiveDraftLength(), random.Random(0), 0
 
     def run(steps: int, acceptance: float, per_draft: float) -> tuple[float, list[int]]:
@@ -291,7 +292,7 @@ def test_tries_that_lose_cost_at_most_two_percent_and_a_change_of_workload_is_fo
     goodput, chosen = run(3000, 0.35, 1.0)
     assert goodput > 0.975 and chosen[-500:].count(0) >= 480
     _, chosen = run(1000, 0.9, 0.2)
-    assert chosen[400:].count(0) <= 30
+    assert chosen[200:].count(0) <= 30
 
 
 def test_steps_without_drafts_do_not_measure_the_length_that_allowed_them():

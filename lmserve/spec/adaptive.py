@@ -27,8 +27,8 @@ of percent here, so both are measured, apart:
 Length 0 is plain decoding, so when drafts do not pay the engine stops drafting, and tries again
 now and then in case the workload changed. Once the current length beats both neighbours, tries
 are spaced by what they cost, to at most ``_TRY_SHARE`` of the time: in a full batch a try of
-one draft costs two or three plain steps, and every 64 steps that was 4-5% (EAGLE, c=16). A
-neighbour that wins a try is tried again soon.
+one draft costs two or three plain steps, and every 64 steps that was 4-5% (EAGLE, c=16). A try
+that wins brings the tries back to every few steps.
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ from typing import Optional
 # The draft lengths the adaptive length moves between; the last is the longest it chooses.
 LENGTHS = (0, 1, 2, 3, 4, 6, 8)
 MAX_ADAPTIVE_K = LENGTHS[-1]
-_FIRST_INTERVAL, _MAX_INTERVAL = 4, 64  # steps between tries of a neighbouring length
-_TRY_SHARE = 0.02  # of the time, at most, that tries losing to the current length cost
-_LONGEST_INTERVAL = 512  # steps between such tries at the most
+# Steps between tries of a neighbouring length: at first, and at most as it doubles while
+# tries lose; longer where tries cost more than _TRY_SHARE of the time, up to _LONGEST_INTERVAL
+_FIRST_INTERVAL, _MAX_INTERVAL = 4, 64
+_TRY_SHARE = 0.02
+_LONGEST_INTERVAL = 512
 _RECENT = 15  # the current length's latest step times, whose median is its time
 _TRIES_KEPT = 5  # a neighbour's latest relative times, whose median is its relative time
 _DECAY = 0.99  # per drafted step, the weight of a position's earlier acceptance counts
@@ -117,7 +119,10 @@ class _BatchSize:
     interval: int = _FIRST_INTERVAL  # steps between tries of a neighbour
     until_try: int = _FIRST_INTERVAL
     tried_above: bool = False  # which neighbour the last try took
-    switch_seconds: float = 0.0  # the try under way's untimed steps' seconds a sequence-step
+    # The try under way's untimed steps: their seconds a sequence-step, how many were measured
+    switch_seconds: float = 0.0
+    switch_steps: int = 0
+    try_costs: deque = field(default_factory=lambda: deque(maxlen=_TRIES_KEPT))  # see _try_cost
 
     def seconds(self) -> Optional[float]:
         return median(self.recent) if self.recent else None
@@ -137,6 +142,7 @@ class _BatchSize:
         self.recent = deque((t * factor for t in self.recent), maxlen=_RECENT)
         self.current = index
         self.interval = self.until_try = _FIRST_INTERVAL  # look around the new length often
+        self.try_costs.clear()
 
 
 @dataclass
@@ -183,7 +189,7 @@ class AdaptiveDraftLength:
             index = min(max(index + (1 if bucket.tried_above else -1), 0), len(LENGTHS) - 1)
             if index != bucket.current:
                 self._trying = _Try(key, index, self._switch_steps - 1)
-                bucket.switch_seconds = 0.0
+                bucket.switch_seconds, bucket.switch_steps = 0.0, 0
                 return DraftChoice(num_seqs, LENGTHS[index], timed=False)
         return DraftChoice(num_seqs, LENGTHS[index])
 
@@ -207,6 +213,7 @@ class AdaptiveDraftLength:
         per_seq = seconds / len(outcomes)
         if not choice.timed:
             bucket.switch_seconds += per_seq
+            bucket.switch_steps += 1
             return
         if index == bucket.current:
             bucket.recent.append(per_seq)
@@ -218,17 +225,23 @@ class AdaptiveDraftLength:
         gain = self._gain(bucket, index)
         if gain is None:
             return
-        if gain > 1 + _MARGIN:
-            if len(tries) >= _MIN_TRIES:
-                bucket.move(index)
-                self._trying = None
-            else:  # (tried again soon, however long tries have been spaced)
-                bucket.interval = bucket.until_try = _FIRST_INTERVAL
-        elif gain < 1:
-            if len(tries) >= _MIN_TRIES:
-                bucket.interval = max(bucket.interval, min(2 * bucket.interval, _MAX_INTERVAL))
+        bucket.try_costs.append(self._try_cost(bucket, index, per_seq))
+        if gain > 1 + _MARGIN and len(tries) >= _MIN_TRIES:
+            bucket.move(index)
+            self._trying = None
+        elif self._gain(bucket, index, tries[-1]) > 1 + _MARGIN:
+            # This try won, whatever the earlier ones said: tries resume every few steps, so
+            # that a change of workload is confirmed (or not) soon, however far apart they were.
+            bucket.interval = bucket.until_try = _FIRST_INTERVAL
+        elif gain < 1 and len(tries) >= _MIN_TRIES:
+            bucket.interval = min(2 * bucket.interval, _MAX_INTERVAL)
             if self._is_best(bucket):
-                self._back_off(bucket, index, per_seq)
+                # Spaced so that tries cost at most _TRY_SHARE of the time, going by the median
+                # of the latest tries' costs (a slow step does not space them for long).
+                cost = median(bucket.try_costs)
+                bucket.interval = max(bucket.interval, min(math.ceil(cost / _TRY_SHARE),
+                                                           _LONGEST_INTERVAL))
+                bucket.until_try = max(bucket.until_try, bucket.interval)
 
     def _is_best(self, bucket: _BatchSize) -> bool:
         """Whether the current length beats each of its neighbours as measured so far."""
@@ -236,20 +249,17 @@ class AdaptiveDraftLength:
         gains = [self._gain(bucket, i) for i in neighbours - {bucket.current}]
         return all(g is not None and g < 1 for g in gains)
 
-    def _back_off(self, bucket: _BatchSize, index: int, per_seq: float) -> None:
-        """Once the current length beats its neighbours, space the tries so that they cost at
-        most ``_TRY_SHARE`` of the time, going by the try of ``LENGTHS[index]`` just measured
-        (its timed step took ``per_seq`` a sequence-step). A try costs what its steps (the
-        switch's too) took over what the current length takes for the tokens they are expected
-        to yield: a few percent of a step between neighbouring lengths that both pay, two or
-        three steps to draft at all in a full, compute-bound batch (its verify costs twice a
-        plain step, and drafters on hidden states first catch up on the tokens they skipped)."""
-        steps = self._switch_steps + 1
+    def _try_cost(self, bucket: _BatchSize, index: int, per_seq: float) -> float:
+        """What the try of ``LENGTHS[index]`` just measured (its timed step took ``per_seq`` a
+        sequence-step) cost, in steps of the current length: its steps' time (the switch's
+        too) over what the current length takes for the tokens they are expected to yield. A
+        few percent of a step between neighbouring lengths that both pay; two or three steps to
+        draft at all in a full, compute-bound batch (its verify costs twice a plain step, and
+        drafters on hidden states first catch up on the tokens they skipped)."""
         tokens = self._acceptance.tokens(LENGTHS[index]) / self._acceptance.tokens(
             LENGTHS[bucket.current])
-        loss = (bucket.switch_seconds + per_seq) / bucket.seconds() - steps * tokens
-        bucket.interval = max(bucket.interval, min(math.ceil(loss / _TRY_SHARE), _LONGEST_INTERVAL))
-        bucket.until_try = max(bucket.until_try, bucket.interval)
+        return (bucket.switch_seconds + per_seq) / bucket.seconds() - (
+            bucket.switch_steps + 1) * tokens
 
     def _bucket(self, key: int) -> _BatchSize:
         bucket = self._buckets.get(key)
@@ -257,13 +267,15 @@ class AdaptiveDraftLength:
             bucket = self._buckets[key] = _BatchSize(current=self._start if key <= 2 else 0)
         return bucket
 
-    def _gain(self, bucket: _BatchSize, index: int) -> Optional[float]:
-        """The expected goodput of ``LENGTHS[index]`` over the current length's, once known."""
+    def _gain(self, bucket: _BatchSize, index: int, relative: Optional[float] = None
+              ) -> Optional[float]:
+        """The expected goodput of ``LENGTHS[index]`` over the current length's, once known, at
+        its tries' median relative time (or at ``relative``)."""
         mine = self._acceptance.tokens(LENGTHS[index])
         current = self._acceptance.tokens(LENGTHS[bucket.current])
         if mine is None or current is None or index not in bucket.relative:
             return None
-        return mine / current / bucket.relative_seconds(index)
+        return mine / current / (relative or bucket.relative_seconds(index))
 
 
 def _key(num_seqs: int) -> int:

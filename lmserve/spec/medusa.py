@@ -9,7 +9,8 @@ the heads' best tokens (deterministic, q = 1, so verification needs no draft pro
 ``speculator``); with a tree, the heads' top candidates as Medusa's ``medusa_choices`` (paths of
 ranks) or, without them, the best chain with the next best tokens as leaves. A node's children
 are drafted only while its path is likely enough by the heads (``MIN_PATH_LOG_PROB``, the sum of
-its tokens' log-probabilities, each from its own head), as EAGLE's.
+its tokens' log-probabilities, each from its own head, over the draft vocabulary if there is
+one), as EAGLE's.
 
 Heads load from the layouts people publish: FasterDecoding's directory (``config.json`` with
 ``medusa_num_heads`` and ``medusa_num_layers``; ``medusa_lm_head.safetensors`` with
