@@ -235,9 +235,9 @@ class MedusaDrafter:
                         for depth, rank in enumerate(path):
                             node = tree.add(node, levels[depth][rank])
             else:  # the chain goes on past a node while its path is likely enough
-                path, depth = 0.0, 0
-                while depth < len(levels) and path >= MIN_PATH_LOG_PROB:
-                    path += log_probs[depth][0]
+                chain_log_prob, depth = 0.0, 0
+                while depth < len(levels) and chain_log_prob >= MIN_PATH_LOG_PROB:
+                    chain_log_prob += log_probs[depth][0]
                     depth += 1
                 tree = DraftTree.from_candidates(levels[:depth], c.num_lookahead)
             c.draft = tree.truncated(c.num_lookahead, depths[c])
