@@ -7,6 +7,7 @@ import os
 import random
 import threading
 import time
+from typing import Any
 
 # lmserve before torch: its import sets libgomp's spinning (lmserve/openmp.py).
 from lmserve import AsyncEngine, Engine, SamplingParams  # isort: skip
@@ -79,6 +80,17 @@ def generate_tokens(engine: Engine, prompt: list[int], params, request_id=None) 
     """Every token id one request generates (all choices, in arrival order)."""
     return [t for out in engine.generate(prompt, params, request_id=request_id)
             for d in out.deltas for t in d.token_ids]
+
+
+def plain_outputs(model_dir: str, requests: list[tuple[list[int], Any]], **config) -> list[list[int]]:
+    """The tokens each ``(prompt, params)`` generates, one at a time, on an engine of
+    ``model_dir`` without speculation (batch 4, quiet, and ``config``): the reference a drafter's
+    output must match."""
+    engine = Engine(model=model_dir, max_num_sequence=4, verbose=False, **config)
+    try:
+        return [generate_tokens(engine, prompt, params) for prompt, params in requests]
+    finally:
+        engine.shutdown()
 
 
 def concurrently(fn, items: list, delays=None) -> list:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import (assert_drafts_keep_the_distribution, generate_tokens, run_concurrently,
-                      wait_idle)
+from conftest import (assert_drafts_keep_the_distribution, generate_tokens, plain_outputs,
+                      run_concurrently, wait_idle)
 from lmserve import Engine, SamplingParams
 from lmserve.cache.kv import kv_bytes_per_head
 from lmserve.config import EngineConfig
@@ -320,12 +320,8 @@ def test_eagle_keeps_greedy_and_seeded_output_in_company(target, head, width):
     model_dir, _, _, heads = target
     prompts = [list(range(200 + 30 * i, 200 + 30 * i + n)) for i, n in enumerate((7, 25, 16, 40))]
     seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True)
-    plain = Engine(model=model_dir, opt="O0", max_num_sequence=4, verbose=False)
-    try:
-        expected = [generate_tokens(plain, p, GREEDY) for p in prompts]
-        expected_seeded = generate_tokens(plain, prompts[1], seeded)
-    finally:
-        plain.shutdown()
+    *expected, expected_seeded = plain_outputs(
+        model_dir, [(p, GREEDY) for p in prompts] + [(prompts[1], seeded)], opt="O0")
     engine = Engine(model=model_dir, opt="O0", max_num_sequence=4, speculative_mode="eagle",
                     additional_models=[heads[head]], spec_draft_length=3, spec_tree_width=width,
                     verbose=False)
@@ -360,11 +356,7 @@ def test_eagle_under_preemption_and_prefix_reuse(target):
         assert engine.kv_pages_in_use() == 0
     finally:
         engine.shutdown()
-    plain = Engine(model=model_dir, max_num_sequence=4, verbose=False)
-    try:
-        assert got == [generate_tokens(plain, p, GREEDY) for p in prompts]
-    finally:
-        plain.shutdown()
+    assert got == plain_outputs(model_dir, [(p, GREEDY) for p in prompts])
 
 
 def test_unseeded_sampling_with_eagle_follows_the_models_distribution(target):

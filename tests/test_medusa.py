@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import (assert_drafts_keep_the_distribution, generate_tokens, run_concurrently,
-                      wait_idle)
+from conftest import (assert_drafts_keep_the_distribution, generate_tokens, plain_outputs,
+                      run_concurrently, wait_idle)
 from lmserve import Engine, SamplingParams
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.loader import read_model_args
@@ -140,12 +140,8 @@ def test_medusa_keeps_greedy_and_seeded_output_in_company(target, heads_kind, wi
     model_dir, heads = target
     prompts = [list(range(200 + 30 * i, 200 + 30 * i + n)) for i, n in enumerate((7, 25, 16, 40))]
     seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True)
-    plain = Engine(model=model_dir, opt="O0", max_num_sequence=4, verbose=False)
-    try:
-        expected = [generate_tokens(plain, p, GREEDY) for p in prompts]
-        expected_seeded = generate_tokens(plain, prompts[1], seeded)
-    finally:
-        plain.shutdown()
+    *expected, expected_seeded = plain_outputs(
+        model_dir, [(p, GREEDY) for p in prompts] + [(prompts[1], seeded)], opt="O0")
     engine = Engine(model=model_dir, opt="O0", max_num_sequence=4, speculative_mode="medusa",
                     additional_models=[heads[heads_kind]], spec_draft_length=3, spec_tree_width=width,
                     verbose=False)
@@ -184,11 +180,7 @@ def test_medusa_under_preemption_and_prefix_reuse(target):
     model_dir, heads = target
     shared = list(range(900, 940))
     prompts = [shared + list(range(1000 + 10 * i, 1000 + 10 * i + 5)) for i in range(4)]
-    plain = Engine(model=model_dir, opt="O0", max_num_sequence=4, verbose=False)
-    try:
-        expected = [generate_tokens(plain, p, GREEDY) for p in prompts]
-    finally:
-        plain.shutdown()
+    expected = plain_outputs(model_dir, [(p, GREEDY) for p in prompts], opt="O0")
     engine = Engine(model=model_dir, opt="O0", max_num_sequence=4, speculative_mode="medusa",
                     additional_models=[heads["medusa"]], kv_cache_page_size=8,
                     max_total_sequence_length=160, verbose=False)

@@ -93,66 +93,25 @@ def random_model(
     return model.eval()
 
 
-def make_hf_llama(
-    model_dir: str,
-    *,
-    num_layers: int = 2,
-    hidden_size: int = 64,
-    intermediate_size: int = 128,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    seed: int = 0,
-    arch: str = "llama",
-    **config_overrides: Any,
-) -> str:
-    """Save a random model (see ``random_model``) as a Hugging Face directory with safetensors
-    weights and the built-in tokenizer; return the directory."""
-    model = random_model(
-        arch=arch,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        seed=seed,
-        **config_overrides,
-    )
+def make_hf_llama(model_dir: str, **model_args: Any) -> str:
+    """Save a random model (``random_model(**model_args)``) as a Hugging Face directory with
+    safetensors weights and the built-in tokenizer; return the directory."""
+    model = random_model(**model_args)
     model.save_pretrained(model_dir)
     _builtin_tokenizer().hf.save_pretrained(model_dir)
     return str(model_dir)
 
 
-def make_gguf_llama(
-    path: str,
-    qtype: str = "F32",
-    *,
-    num_layers: int = 2,
-    hidden_size: int = 64,
-    intermediate_size: int = 128,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    seed: int = 0,
-    arch: str = "llama",
-    tokenizer: bool = True,
-    **config_overrides: Any,
-) -> str:
-    """Write a random model (the same one ``random_model`` gives for these arguments) as a GGUF file.
+def make_gguf_llama(path: str, qtype: str = "F32", *, arch: str = "llama", tokenizer: bool = True,
+                    **model_args: Any) -> str:
+    """Write a random model (``random_model(arch=arch, **model_args)``) as a GGUF file.
 
     2-D weights are stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1 or Q5_0/Q5_1), norms as
     F32, the way llama.cpp does; q/k rows are permuted like llama.cpp's converter (llama only)
     and the tokenizer metadata is the built-in model's (``tokenizer=False`` leaves it out, which
     makes the file ~0.7 s quicker to read when a test only needs weights). Returns ``path``.
     """
-    model = random_model(
-        arch=arch,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        seed=seed,
-        **config_overrides,
-    )
+    model = random_model(arch=arch, **model_args)
     config = model.config
     quant = GGMLQuantizationType[qtype]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
