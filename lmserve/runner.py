@@ -115,12 +115,13 @@ class ModelRunner:
             all_reduce=self.all_reduce,
         )
         ids = torch.tensor(input_ids, device=self.device)
-        if features is not None:  # (an EAGLE draft)
-            hidden = self.model.forward(ids, ctx, features)  # (T, D)
-        else:
-            hidden = self.model.forward(ids, ctx, residual)
-            if not self.model.last:
-                return hidden  # the residual stream, for the next stage
+        if features is not None:  # (an EAGLE draft: the head's layer finishes the logit rows only)
+            picked = torch.tensor(rows, dtype=torch.long, device=self.device)
+            self.last_hidden = self.model.forward(ids, ctx, features, picked)  # (R, D)
+            return self.model.logits(self.last_hidden) if rows and logits else self.last_hidden
+        hidden = self.model.forward(ids, ctx, residual)
+        if not self.model.last:
+            return hidden  # the residual stream, for the next stage
         if self.feature_layers is not None:
             self.features = torch.cat([ctx.captured[i] for i in self.feature_layers], dim=-1) \
                 if self.feature_layers else hidden

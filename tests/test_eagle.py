@@ -182,6 +182,15 @@ def test_the_paged_head_computes_what_the_plain_one_does(target, version, draft_
         # EAGLE-3's logits are over its draft vocabulary.
         expected = net.lm_head(net.norm(hidden)) if version == 3 else core.runner.model.logits(hidden)
         logits = torch.cat([first, second])
+        # As the head catches up: rows whose output nobody reads only write their KV, and the
+        # logits of the rows read (after a pass of them, 24 on from it) are the same.
+        other, down, mlp_rows = list(range(3, 6)), runner.model.down, []
+        runner.model.down = lambda x: mlp_rows.append(len(x)) or down(x)
+        caught_up = runner.execute(StepInput([SeqStep(0, tokens[1:25], other, 1)]), features[:24])
+        runner.model.down = down
+        assert mlp_rows == [1]
+        last = runner.execute(StepInput([SeqStep(24, tokens[25:], other, 2)]), features[24:])
+        assert torch.equal(caught_up, first[-1:]) and torch.equal(last, second[-2:])
         if draft_opt == "O0":
             assert torch.allclose(logits, expected, atol=1e-4, rtol=1e-4)
         else:

@@ -99,10 +99,14 @@ class EagleModel:
         return RotaryEmbedding(a.head_dim, max_positions, a.rope_theta, a.rope_scaling, device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, ctx, features: torch.Tensor) -> torch.Tensor:
-        """The head's hidden states ``(T, D)`` (before its final norm) for tokens ``(T,)`` and the
-        features ``(T, F)`` they follow: the target's (F = 2D for EAGLE-1/2's input, 3D for
-        EAGLE-3's) or the head's own predictions (D)."""
+    def forward(self, input_ids: torch.Tensor, ctx, features: torch.Tensor,
+                rows: torch.Tensor) -> torch.Tensor:
+        """The head's hidden states ``(R, D)`` (before its final norm) at ``rows`` of tokens
+        ``(T,)`` and the features ``(T, F)`` they follow: the target's (F = 2D for EAGLE-1/2's
+        input, 3D for EAGLE-3's) or the head's own predictions (D). Every token's KV is
+        written; the rest of the layer runs for ``rows`` only: in one layer a position's KV
+        depends on its own input alone, and the other rows' outputs (the tokens the head catches
+        up on, a tree's nodes run again) would be thrown away."""
         emb = self.target.embed[input_ids].float()
         f = features.float()
         if self.version == 1:
@@ -114,7 +118,7 @@ class EagleModel:
                            _rms_norm(x, self.hidden_norm, self.eps)], dim=-1)
         attn = ctx.backend.forward(ctx.attn_meta, self.qkv(h), ctx.cos, ctx.sin, ctx.kv.k[0],
                                    ctx.kv.v[0], windowed=bool(ctx.windowed) and ctx.windowed[0])
-        x = x + self.o(attn).float()
+        x = x[rows] + self.o(attn[rows]).float()  # (R, D)
         gate, up = self.gate_up(_rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up).float()
 
