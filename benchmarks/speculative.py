@@ -1,8 +1,8 @@
 """Speculative decoding against none, side by side in one run, on the built-in model.
 
 Input-grounded prompts (rewrite, extract from or edit a given text or code: what prompt lookup
-is for) and plain chat prompts, each sent ``--concurrency`` at a time (greedy, fixed output
-length), to engines with speculation off, the drafter (``--mode``) with fixed draft lengths, and
+is for) and plain chat prompts, each sent ``--concurrency`` at a time (greedy, or seeded
+sampling at ``--temperature``; fixed output length), to engines with speculation off, the drafter (``--mode``) with fixed draft lengths, and
 with the adaptive length (spec_draft_length=0), each as a chain or as trees (``--widths``,
 spec_tree_width). ``--mode small_draft`` drafts with the built-in model itself at the draft's
 level (O3 by default; ``--draft-opts`` runs each length at each level given) for a target at
@@ -21,7 +21,7 @@ off.
     .venv/bin/python benchmarks/speculative.py [--mode ngram|small_draft|eagle|medusa] \
         [--heads DIR] [--rounds 3] \
         [--concurrency 1 4 16] [--lengths 0 2 4 8] [--widths 1 3] [--opt O2] [--max-tokens 96] \
-        [--draft-opts O3 O2]
+        [--draft-opts O3 O2] [--temperature 0.7 --top-p 0.95]
 """
 
 from __future__ import annotations
@@ -135,6 +135,10 @@ def main() -> None:
                          "default: the engine's, O3)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--workloads", nargs="+", default=["grounded", "chat"])
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature (seeded, so every configuration's output "
+                         "is still checked against speculation off's); default greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args()
     if (args.heads is None) != (args.mode in ("ngram", "small_draft")):
         ap.error("--heads goes with --mode eagle or medusa, and only with them")
@@ -151,7 +155,8 @@ def main() -> None:
             | ({"opt": ";".join(filter(None, [args.opt, f"draft_opt={d}"]))} if d else {})
         for d in args.draft_opts for k in args.lengths for w in args.widths
     }
-    print(f"CPU: {cpu_name()}; opt {args.opt or 'default'}; {args.mode}; "
+    sampling = f"temperature {args.temperature}, top_p {args.top_p}" if args.temperature else "greedy"
+    print(f"CPU: {cpu_name()}; opt {args.opt or 'default'}; {args.mode}; {sampling}; "
           f"{args.max_tokens} tokens per request; median of {args.rounds} rounds", flush=True)
 
     # One process per configuration, built once (a long-lived server's engine; the adaptive
@@ -240,7 +245,8 @@ def _serve(conn, kwargs: dict, args: argparse.Namespace) -> None:
     tok = engine.tokenizer
     workloads = {name: [tok.apply_chat_template([{"role": "user", "content": p}]) for p in texts]
                  for name, texts in (("grounded", grounded_prompts()), ("chat", CHAT))}
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            ignore_eos=True, seed=0 if args.temperature else None)
     run_batch(engine, workloads["chat"][:1], SamplingParams(temperature=0, max_tokens=4), 1)
     conn.send("ready")
     while (command := conn.recv()) is not None:

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured.xgrammar_lib import apply_bitmask
+
+if TYPE_CHECKING:
+    from lmserve import request
 
 # Dividing float32 logits by a temperature below this can overflow them to inf (and the
 # softmax to NaN); the distribution there is already a point mass on the argmax.
@@ -187,14 +190,18 @@ class SampleResult:
     logprobs: Optional[torch.Tensor] = None  # (B,) float32: of the chosen token
     top_ids: Optional[torch.Tensor] = None  # (B, K) int64, most likely first
     top_logprobs: Optional[torch.Tensor] = None  # (B, K) float32, descending
+    # With ``sample(..., margins=True)``: how far each drawing row's uniform quantile lies from
+    # the nearer edge of the drawn token's share of the distribution (as a share of the whole;
+    # a drafter's draw near an edge is fragile, ``spec.coupled``); inf on greedy rows.
+    margins: Optional[torch.Tensor] = None  # (B,) float64
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+def sample(logits: torch.Tensor, batch: SamplingBatch, margins: bool = False) -> SampleResult:
     """Choose one token per row of ``logits`` (``(B, V)``, float32) as ``batch`` says.
 
     ``logits`` is not modified. Logprobs, when asked, are those of the model's raw
     distribution (``log_softmax(logits)``), not of the processed one that was sampled, nor of
-    the grammar's mask.
+    the grammar's mask. ``margins``: also each draw's margin (``SampleResult.margins``).
     """
     if logits.shape != (batch.greedy.shape[0], batch.vocab_size):
         raise ValueError(
@@ -205,20 +212,23 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     if batch.token_bitmask is not None:
         logits = logits.float().clone()
         apply_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
+    edge = torch.full((len(batch.greedy),), float("inf"), dtype=torch.float64) if margins else None
     if batch.greedy_fast_path:
-        return SampleResult(token_ids=logits.argmax(dim=-1))
+        return SampleResult(token_ids=logits.argmax(dim=-1), margins=edge)
 
     logits = logits.float()
     processed = _apply_bias_and_penalties(logits, batch)  # (B, V)
     if not batch.random_rows:
         token_ids = processed.argmax(dim=-1)  # (B,)
     else:
-        token_ids = _draw(_filtered_probs(processed, batch), batch)  # (B,)
+        token_ids, drawn_edge = _draw(_filtered_probs(processed, batch), batch)  # (B,) each
+        if margins:
+            edge[batch.random_rows] = drawn_edge
         if len(batch.random_rows) < len(token_ids):  # greedy rows take the argmax
             token_ids = torch.where(batch.greedy, processed.argmax(dim=-1), token_ids)
 
     if batch.max_logprobs is None:
-        return SampleResult(token_ids=token_ids)
+        return SampleResult(token_ids=token_ids, margins=edge)
     raw_logprobs = raw.float().log_softmax(dim=-1)  # (B, V)
     chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # (B,)
     top_logprobs, top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)  # (B, K) each
@@ -229,6 +239,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         logprobs=chosen,
         top_ids=top_ids.masked_fill_(unasked, -1),
         top_logprobs=top_logprobs.masked_fill_(unasked, float("-inf")),
+        margins=edge,
     )
 
 
@@ -340,10 +351,11 @@ def _min_p_(x: torch.Tensor, min_p: torch.Tensor) -> None:
 _CDF_BLOCK = 256
 
 
-def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _draw(probs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw a token per row from ``probs`` (``(B, V)``) with one uniform number per drawing
     row, from the row's own generator, so a row's draw does not depend on the batch around it;
-    greedy rows draw nothing (their entry is 0, replaced by the caller)."""
+    greedy rows draw nothing (their entry is 0, replaced by the caller). Also the drawing rows'
+    margins (``_inverse_cdf``)."""
     rows = batch.random_rows
     uniforms = torch.empty(len(rows), dtype=torch.float64)
     shared = [i for i, row in enumerate(rows) if batch.generators[row] is None]
@@ -355,12 +367,14 @@ def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if len(rows) == probs.shape[0]:
         return _inverse_cdf(probs, uniforms.to(probs.device))
     drawn = torch.zeros(probs.shape[0], dtype=torch.int64, device=probs.device)
-    drawn[rows] = _inverse_cdf(probs[rows], uniforms.to(probs.device))
-    return drawn
+    drawn[rows], margins = _inverse_cdf(probs[rows], uniforms.to(probs.device))
+    return drawn, margins
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """The token at quantile ``uniforms (R,)`` of each row of ``probs (R, V)`` (unnormalised).
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token ``(R,)`` at quantile ``uniforms (R,)`` of each row of ``probs (R, V)``
+    (unnormalised), and how far the quantile lies from the nearer edge of that token's share,
+    as a share of the row's mass ``(R,)`` float64.
 
     Two levels, for speed and precision: the block of ``_CDF_BLOCK`` tokens from the blocks'
     masses summed in float64, then the token within it from a float32 cumulative sum of that
@@ -380,8 +394,12 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     below = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
     rows = torch.arange(num_rows, device=probs.device)
     within_cdf = blocks[rows, block].cumsum(-1)  # (R, BS)
-    within = _search(within_cdf, (target[:, 0] - below).float()[:, None])
-    return block * _CDF_BLOCK + within
+    inside = (target[:, 0] - below).float()  # (R,)
+    within = _search(within_cdf, inside[:, None])
+    high = within_cdf[rows, within]  # the token's share ends here, and starts its mass before
+    low = high - blocks[rows, block, within]
+    margin = torch.minimum(inside - low, high - inside).double().clamp_(min=0) / block_cdf[:, -1]
+    return block * _CDF_BLOCK + within, margin
 
 
 def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -392,3 +410,37 @@ def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     found = torch.searchsorted(cdf, target, right=True)[:, 0]
     last = torch.searchsorted(cdf, cdf[:, -1:].contiguous(), right=False)[:, 0]
     return torch.minimum(found, last).clamp_(max=cdf.shape[1] - 1)
+
+
+def position_generator(seed: Optional[int], position: int) -> Optional[torch.Generator]:
+    """The noise for sampling the token at ``position``: a function of the seed and the position
+    only (SplitMix64 of both), so a seeded request draws the same tokens whatever its batch
+    company, preemptions, or how many tokens a step verified (speculative decoding); and a
+    drafter can draw with the noise the target will draw with (``spec.coupled``)."""
+    if seed is None:
+        return None
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return torch.Generator().manual_seed((z ^ (z >> 31)) >> 1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def sequence_batch(rows: list[tuple[request.Sequence, list[int]]], vocab_size: int,
+                   device: Union[torch.device, str], eos_token_ids: Sequence[int] = (),
+                   token_bitmask: Optional[tuple[torch.Tensor, list[int]]] = None) -> SamplingBatch:
+    """The settings of rows that each sample a sequence's next token: row ``(seq, before)`` the
+    token after ``seq``'s tokens and the drafts ``before`` (as if they were accepted), with the
+    noise of its position (``position_generator``) and the penalties over the output so far."""
+    return SamplingBatch.build(
+        params=[seq.request.params for seq, _ in rows],
+        generators=[position_generator(seq.seed, len(seq.token_ids) + len(before)) for seq, before in rows],
+        prompt_token_ids=[seq.request.prompt_token_ids for seq, _ in rows],
+        output_token_ids=[seq.output_token_ids + before for seq, before in rows],
+        vocab_size=vocab_size,
+        device=device,
+        eos_token_ids=eos_token_ids,
+        token_bitmask=token_bitmask,
+    )

@@ -379,3 +379,21 @@ def test_build_refuses_mismatched_rows():
         SamplingBatch.build([SamplingParams()], [], [[]], [[]], V, "cpu")
     with pytest.raises(ValueError, match="output_token_ids"):
         SamplingBatch.build([SamplingParams()], [None], [[]], [], V, "cpu")
+
+
+@pytest.mark.parametrize("vocab_size", [3, 700])
+def test_a_draws_margin_is_its_quantiles_distance_to_the_nearer_edge_of_its_tokens_share(vocab_size):
+    """``sample(..., margins=True)`` (what a drafter's draw near an edge is judged by): three
+    tokens hold 0.2, 0.5 and 0.3 of the mass (spread over two-level blocks when the vocabulary
+    is wider), and the quantile 0.25 falls in the second's share [0.2, 0.7), 0.05 from its edge;
+    0.68 falls 0.02 from the other edge; greedy rows have no edge (inf)."""
+    probs = torch.zeros(2, vocab_size)
+    ids = [0, vocab_size // 2, vocab_size - 1]
+    probs[:, ids] = torch.tensor([0.2, 0.5, 0.3]) * 7  # (unnormalised)
+    tokens, margins = sampler._inverse_cdf(probs, torch.tensor([0.25, 0.68], dtype=torch.float64))
+    assert tokens.tolist() == [ids[1], ids[1]]
+    assert margins.tolist() == pytest.approx([0.05, 0.02], abs=1e-6)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
+    batch = SamplingBatch.build(params, [None, None], [[1], [1]], [[], []], vocab_size, "cpu")
+    result = sample(probs.log(), batch, margins=True)
+    assert result.margins[0] == float("inf") and 0 <= result.margins[1] <= 0.35

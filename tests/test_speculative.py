@@ -7,6 +7,7 @@ prompt lookup drafts often and the target both accepts and rejects drafts.
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -21,14 +22,17 @@ from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
 from lmserve.models.builtin import builtin_model_path
 from lmserve.request import Request, Sequence
+from lmserve.sampler import position_generator, sample, sequence_batch
 from lmserve.scheduler import Batch, ScheduledChunk, Scheduler
 from lmserve.spec.adaptive import AdaptiveDraftLength, DraftChoice
+from lmserve.spec.coupled import coupled_tokens
 from lmserve.spec.draft_model import DraftModelDrafter
 from lmserve.spec.ngram import NgramDrafter, draft_depth, propose_ngram
 from lmserve.spec.speculator import Speculator
 from lmserve.spec.tree import DraftTree, num_in_place
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+GREEDY_DRAFT = SamplingParams(temperature=0)
 TEXTS = [
     "The bridge was repaired many times. Its first builders used a grey limestone cut from a "
     "quarry on the eastern bank, and later repairs were made with whatever stone was cheapest.",
@@ -465,8 +469,9 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(builtin_engine, 
 
 
 def test_unseeded_sampling_follows_the_targets_distribution(prompts):
-    """Without a seed (one shared generator), a token that was drafted is distributed as
-    without speculation: a chi-square test of homogeneity over 400 draws each, at 0.1%."""
+    """Without a seed (each request draws a seed of its own), a token that was drafted is
+    distributed as without speculation: a chi-square test of homogeneity over 400 draws each,
+    at 0.1%."""
     draws = []
     for speculation in ({}, dict(speculative_mode="ngram", spec_draft_length=3)):
         with Engine(max_num_sequence=32, verbose=False, **speculation) as engine:
@@ -527,15 +532,17 @@ def test_a_draft_model_changes_no_output_alone_in_company_or_seeded(builtin_engi
                                                                     reference, k, width):
     """The built-in model (O2) verifying drafts from its own weights at the draft's default
     level (O3): drafts mostly agree, sometimes not (with a tree, the draft's second or third
-    choice is sometimes the target's)."""
+    choice is sometimes the target's: mostly where a seeded request's quantile fell beside the
+    token drawn for the chain)."""
     engine = _draft_engine(max_num_sequence=8, spec_draft_length=k, spec_tree_width=width)
     moves = count_tree_moves(engine)
-    seeded = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=5, logprobs=1)
+    seeded = [SamplingParams(temperature=0.8, top_k=20, max_tokens=40, seed=s, logprobs=1)
+              for s in range(5, 13)]
     try:
         assert [generate_tokens(engine, p, GREEDY) for p in prompts[:3]] == reference[:3]
         assert run_concurrently(engine, prompts, GREEDY) == reference
-        assert generate_tokens(engine, prompts[1], seeded) == \
-            generate_tokens(builtin_engine, prompts[1], seeded)
+        assert concurrently(lambda p: generate_tokens(engine, prompts[1], p), seeded) == \
+            [generate_tokens(builtin_engine, prompts[1], p) for p in seeded]
         stats = engine.stats()
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
         assert bool(moves) == (width > 1)
@@ -543,6 +550,47 @@ def test_a_draft_model_changes_no_output_alone_in_company_or_seeded(builtin_engi
         assert engine.kv_pages_in_use() == 0
     finally:
         engine.shutdown()
+
+
+def test_a_sampling_requests_drafts_share_its_noise_so_its_own_model_drafts_its_samples(
+        builtin_engine, prompts):
+    """For a request that samples, a draft model drafts the token the target's sampler would
+    draw with the same noise at that position (``spec.coupled``). With the target's own weights
+    at the target's level as the draft its distribution is the target's, bit for bit, so every
+    draft is the target's own sample and is accepted, penalties over the drafts included (the
+    draft's best tokens would be accepted only as often as the target happens to draw them);
+    and the output is the target's without speculation."""
+    params = [SamplingParams(temperature=1.0, top_p=0.95, top_k=50, repetition_penalty=1.1,
+                             presence_penalty=0.2, max_tokens=24, seed=s, ignore_eos=True)
+              for s in range(4)]
+    expected = [generate_tokens(builtin_engine, prompts[i], params[i]) for i in range(4)]
+    engine = _draft_engine(opt="O2;draft_opt=O2", max_num_sequence=4, spec_draft_length=4)
+    try:
+        assert concurrently(lambda i: generate_tokens(engine, prompts[i], params[i]),
+                            list(range(4))) == expected
+        stats = engine.stats()
+        assert 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    finally:
+        engine.shutdown()
+
+
+def test_drafts_drawn_with_the_targets_noise_are_its_samples_where_the_two_are_close():
+    """A draft model whose logits are the target's within small errors draws the target's own
+    sample at most positions (here >= 85% over 400 seeds), where its best token is the target's
+    sample only as often as the target draws it (a flat distribution at temperature 1: <= 50%)."""
+    vocab_size, g = 64, torch.Generator().manual_seed(3)
+    target = torch.randn(1, vocab_size, generator=g)
+    draft = target + 0.02 * torch.randn(1, vocab_size, generator=g)
+    params = SamplingParams(temperature=1.0, top_p=0.98)
+    same = best = 0
+    for seed in range(400):
+        seq = Sequence(Request("a", [1, 2], params), 0, [1, 2, 3], seed)
+        before = [4, 6][: seed % 3]  # (the noise of a later position)
+        sampled = sample(target, sequence_batch([(seq, before)], vocab_size, "cpu")).token_ids.item()
+        drawn, _ = coupled_tokens(draft, [(seq, before)])
+        same += drawn == [sampled]
+        best += draft.argmax().item() == sampled
+    assert same >= 340 and best <= 200, (same, best)
 
 
 class _CountingUpDraft:
@@ -560,11 +608,11 @@ class _CountingUpDraft:
 
 
 @pytest.mark.parametrize("params, drafts", [
-    (SamplingParams(), [7, 8, 9]),  # 9 ends the sequence: nothing drafted after it
-    (SamplingParams(ignore_eos=True), [7, 8, 9, 0, 1, 2]),
-    (SamplingParams(min_tokens=6), [7, 8, 9]),  # banned there: certain to be rejected
-    (SamplingParams(stop_token_ids=[8]), [7, 8]),
-    (SamplingParams(stop_token_ids=[8], ignore_eos=True), [7, 8]),
+    (GREEDY_DRAFT, [7, 8, 9]),  # 9 ends the sequence: nothing drafted after it
+    (SamplingParams(temperature=0, ignore_eos=True), [7, 8, 9, 0, 1, 2]),
+    (SamplingParams(temperature=0, min_tokens=6), [7, 8, 9]),  # banned there: certain to be rejected
+    (SamplingParams(temperature=0, stop_token_ids=[8]), [7, 8]),
+    (SamplingParams(temperature=0, stop_token_ids=[8], ignore_eos=True), [7, 8]),
 ])
 def test_a_draft_models_chain_ends_at_a_token_that_would_end_the_sequence(params, drafts):
     seq = Sequence(Request("a", [3, 4], params), 0, [3, 4, 5, 6], None)
@@ -584,7 +632,7 @@ def test_a_draft_models_chain_ends_after_a_near_tie(tie_after, drafts):
     """Where the draft's best token leads its second by less than ``TIE_MARGIN`` the target
     agrees about as often as not (the built-in model, O3 draft of O0: 42-62% against 99%
     elsewhere), so drafting past it mostly wastes passes."""
-    seq = Sequence(Request("a", [3, 4], SamplingParams(ignore_eos=True)), 0, [3, 4, 5, 6], None)
+    seq = Sequence(Request("a", [3, 4], SamplingParams(temperature=0, ignore_eos=True)), 0, [3, 4, 5, 6], None)
     seq.num_computed = seq.num_draft_computed = 3
     chunk = ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=6)
     DraftModelDrafter(_CountingUpDraft(tie_after), 64, eos_token_ids=frozenset({9})).propose(
@@ -598,7 +646,7 @@ def test_a_near_tie_ends_its_own_chain_only_and_keeps_the_leaves_beside_it():
     with the second best beside each of its drafts; the other chain drafts its full depth."""
     chunks = []
     for name, newest in (("a", 6), ("b", 0)):
-        seq = Sequence(Request(name, [3, 4], SamplingParams(ignore_eos=True)), 0, [3, 4, 5, newest],
+        seq = Sequence(Request(name, [3, 4], SamplingParams(temperature=0, ignore_eos=True)), 0, [3, 4, 5, newest],
                        None)
         seq.num_computed = seq.num_draft_computed = 3
         chunks.append(ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=12))
@@ -613,13 +661,50 @@ def test_a_near_tie_ends_its_own_chain_only_and_keeps_the_leaves_beside_it():
 def test_a_draft_tree_keeps_the_leaves_beside_a_chain_that_ended():
     """Width 2: the second best token at each depth is a leaf; the chain (best tokens) ends at
     the end-of-sequence token 9, with its sibling beside it, and nothing deeper."""
-    seq = Sequence(Request("a", [3, 4], SamplingParams()), 0, [3, 4, 5, 6], None)
+    seq = Sequence(Request("a", [3, 4], GREEDY_DRAFT), 0, [3, 4, 5, 6], None)
     seq.num_computed = seq.num_draft_computed = 3
     chunk = ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=12)
     DraftModelDrafter(_CountingUpDraft(), 64, width=2, eos_token_ids=frozenset({9})).propose(
         Batch([chunk]), {chunk: 6})
     assert sorted(chunk.draft.token_ids) == sorted([7, 1, 8, 2, 9, 3])
     assert max(map(chunk.draft.depth, range(len(chunk.draft)))) == 3
+
+
+class _QuantileNearAnEdgeAt:
+    """A draft model's runner over three tokens whose shares put the request's quantile at each
+    position (its noise there, ``position_generator``) well inside token 1's share, but at
+    position ``fragile`` just inside it."""
+
+    def __init__(self, seed: int, fragile: int) -> None:
+        self.seed, self.fragile = seed, fragile
+
+    def quantile(self, position: int) -> float:
+        return torch.rand((), dtype=torch.float64, generator=position_generator(self.seed, position)).item()
+
+    def execute(self, step):
+        rows = []
+        for s in step.seqs:
+            if s.num_logits:
+                u = self.quantile(s.start + len(s.token_ids))  # of the position drafted
+                width = 0.002 if s.start + len(s.token_ids) == self.fragile else 0.05
+                low, high = u - 0.05, u + width  # token 1's share
+                rows.append([math.log(low), math.log(high - low), math.log(1 - high)])
+        return torch.tensor(rows, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("fragile, drafts", [(6, [1, 1, 1]), (4, [1]), (-1, [1] * 6)])
+def test_a_sampling_requests_chain_ends_after_a_draw_near_an_edge(fragile, drafts):
+    """A sampling request's drafts are drawn with its own noise; where the quantile lies within
+    ``DRAW_MARGIN`` of an edge of the drawn token's share, the target's slightly different
+    distribution puts it in a neighbour about as often as not, so the chain ends there."""
+    params = SamplingParams(temperature=1.0, ignore_eos=True)
+    seq = Sequence(Request("a", [3, 4], params), 0, [3, 4, 5, 6], 10)
+    seq.num_computed = seq.num_draft_computed = 3
+    runner = _QuantileNearAnEdgeAt(10, fragile)
+    assert all(0.1 < runner.quantile(p) < 0.9 for p in range(4, 10))  # (the seed's quantiles)
+    chunk = ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=6)
+    DraftModelDrafter(runner, 64).propose(Batch([chunk]), {chunk: 6})
+    assert chunk.draft.token_ids == drafts
 
 
 def test_the_draft_cache_follows_the_target_and_only_complete_pages_are_cached():

@@ -29,7 +29,7 @@ from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogp
 from lmserve.plan import make_plan, resolve_window
 from lmserve.protocol import InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
-from lmserve.sampler import SampleResult, SamplingBatch, sample, score_tokens
+from lmserve.sampler import SampleResult, sample, score_tokens, sequence_batch
 from lmserve.spec.draft_model import draft_opt, read_draft_model
 from lmserve.spec.eagle import build_eagle_runner
 from lmserve.spec.eagle_heads import read_eagle_head
@@ -378,17 +378,8 @@ class EngineCore:
                  for c in chunks]
         rows = [(c.seq, before) for c, befores in zip(chunks, paths) for before in befores]
         masks = fill_bitmask([(c.seq.grammar, p) for c, p in zip(chunks, paths)], self.args.vocab_size)
-        result = sample(logits, SamplingBatch.build(
-            params=[seq.request.params for seq, _ in rows],
-            generators=[_generator(seq.seed, len(seq.token_ids) + len(before))
-                        for seq, before in rows],
-            prompt_token_ids=[seq.request.prompt_token_ids for seq, _ in rows],
-            output_token_ids=[seq.output_token_ids + before for seq, before in rows],
-            vocab_size=self.args.vocab_size,
-            device=self.device,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            token_bitmask=masks,
-        ))
+        result = sample(logits, sequence_batch(rows, self.args.vocab_size, self.device,
+                                               self.tokenizer.eos_token_ids, masks))
         sampled = result.token_ids.tolist()
         new, row = [], 0
         for c in chunks:
@@ -485,21 +476,6 @@ def _seed(params: SamplingParams, index: int) -> Optional[int]:
     if params.is_greedy:
         return None
     return params.seed + index if params.seed is not None else random.getrandbits(63)
-
-
-def _generator(seed: Optional[int], position: int) -> Optional[torch.Generator]:
-    """The noise for sampling the token at ``position``: a function of the seed and the position
-    only (SplitMix64 of both), so a seeded request draws the same tokens whatever its batch
-    company, preemptions, or how many tokens a step verified (speculative decoding)."""
-    if seed is None:
-        return None
-    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return torch.Generator().manual_seed((z ^ (z >> 31)) >> 1)
-
-
-_MASK64 = (1 << 64) - 1
 
 
 def _take_prompt_logprobs(req: Request) -> Optional[list[Optional[TokenLogprob]]]:

@@ -12,10 +12,11 @@ width ``w`` > 1 the ``w - 1`` next best tokens at each depth are drafted too, as
 the chain: free for the draft, and the target verifies them in the same pass. A chain ends at
 a drafted stop token id (or end-of-sequence, unless ``ignore_eos``): accepted, it ends the
 sequence; banned before ``min_tokens``, it is rejected, and so is the rest of the chain. It also
-ends after a near tie (``TIE_MARGIN``), where the target's choice is a coin toss. Its
-drafts are deterministic (the draft's best tokens), so the target's verification needs no
-draft probabilities (see ``speculator``); after verification the draft's count is clamped to
-the verified tokens its KV holds (``Scheduler.update``).
+ends after a near tie (``TIE_MARGIN``; for a sampling request ``DRAW_MARGIN``), where the
+target's choice is a coin toss. A greedy request's drafts are the draft's best tokens, a
+sampling request's the tokens its noise draws from the draft's distribution (``spec.coupled``);
+verification needs no draft probabilities (see ``speculator``). After verification the draft's
+count is clamped to the verified tokens its KV holds (``Scheduler.update``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lmserve.models.source import ModelSource, open_draft_model
 from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.spec.coupled import coupled_tokens, lead_with, plain_greedy
 from lmserve.spec.tree import DraftTree
 from lmserve.step import SeqStep, StepInput
 
@@ -45,11 +47,18 @@ logger = logging.getLogger("lmserve")
 # (At draft_opt=O1 the logits are bfloat16, whose steps above 8 are 0.06-0.125: there the rule
 # ends a chain at exact or one-step ties.)
 TIE_MARGIN = 0.1
+# For a request that samples, a draft drawn with the request's noise (``spec.coupled``) whose
+# quantile lies within this share of the distribution from an edge of the drawn token's share
+# ends the chain too: the target's slightly different distribution puts the quantile in a
+# neighbour as often as not there (the built-in model at O3 for O0, temperature 0.7, chat:
+# 33% of the 15% of draws within 0.01 were the target's samples, 95% of the others).
+DRAW_MARGIN = 0.01
 
 
 class DraftModelDrafter:
-    """Greedy drafts from a draft model's runner, with the ``width`` best tokens at each depth
-    (the best continue the chain); at most ``max_pass_tokens`` tokens a pass."""
+    """Drafts from a draft model's runner, with ``width`` tokens at each depth: the draft (its
+    best token, or the one a sampling request's noise draws) continues the chain, the next best
+    are leaves beside it; at most ``max_pass_tokens`` tokens a pass."""
 
     # A draft model is right most of the time (the built-in at O3: 94-98% of the drafts, its
     # chain ending after a near tie), and between 4, 6 and 8 drafts the goodputs differ by a few
@@ -81,7 +90,7 @@ class DraftModelDrafter:
                 ends[c] = len(c.seq.token_ids)
         first = self._catch_up(ends, {c for c, depth in depths.items() if depth})
         levels = {c: [first[c][0]] for c, depth in depths.items() if depth}  # candidates by depth
-        tied = {c for c in levels if first[c][1] < TIE_MARGIN}
+        tied = {c for c in levels if first[c][1]}
         for depth in range(1, max(depths.values(), default=0)):
             deeper = [c for c in levels if depths[c] > depth and c not in tied
                       and not self._ends(c.seq, levels[c][-1][0])]
@@ -89,10 +98,11 @@ class DraftModelDrafter:
                 break
             steps = [SeqStep(start=c.seq.num_draft_computed, token_ids=[levels[c][-1][0]],
                              page_table=list(c.seq.pages), num_logits=1) for c in deeper]
-            for c, (candidates, margin) in zip(deeper, self._run(steps)):
+            rows = [(c.seq, [candidates[0] for candidates in levels[c]]) for c in deeper]
+            for c, (candidates, near_tie) in zip(deeper, self._run(steps, rows)):
                 c.seq.num_draft_computed += 1
                 levels[c].append(candidates)
-                if margin < TIE_MARGIN:
+                if near_tie:
                     tied.add(c)
         for c, candidates in levels.items():
             c.draft = DraftTree.from_candidates(candidates, c.num_lookahead)
@@ -105,10 +115,10 @@ class DraftModelDrafter:
         return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
 
     def _catch_up(self, ends: dict[ScheduledChunk, int],
-                  drafting: set[ScheduledChunk]) -> dict[ScheduledChunk, tuple[list[int], float]]:
+                  drafting: set[ScheduledChunk]) -> dict[ScheduledChunk, tuple[list[int], bool]]:
         """Run each chunk's tokens from its draft count to its end, in passes of at most
         ``max_pass_tokens``; returns each ``drafting`` chunk's first drafts (``_run``'s)."""
-        first: dict[ScheduledChunk, tuple[list[int], float]] = {}
+        first: dict[ScheduledChunk, tuple[list[int], bool]] = {}
         while pending := [c for c, end in ends.items() if c.seq.num_draft_computed < end]:
             steps, chunks, budget = [], [], self.max_pass_tokens
             for c in pending:
@@ -121,22 +131,34 @@ class DraftModelDrafter:
                                      page_table=list(seq.pages), num_logits=1 if wants else 0))
                 chunks.append(c)
                 budget -= n
-            candidates = iter(self._run(steps))
+            candidates = iter(self._run(steps, [(c.seq, []) for c, step in zip(chunks, steps)
+                                                if step.num_logits]))
             for c, step in zip(chunks, steps):
                 c.seq.num_draft_computed += len(step.token_ids)
                 if step.num_logits:
                     first[c] = next(candidates)
         return first
 
-    def _run(self, steps: list[SeqStep]) -> list[tuple[list[int], float]]:
-        """One draft pass; per logit row the ``width`` best tokens, best first, and how far the
-        best one's logit is above the second's."""
+    def _run(self, steps: list[SeqStep], rows: list[tuple[Sequence, list[int]]]
+             ) -> list[tuple[list[int], bool]]:
+        """One draft pass; per logit row (``(seq, drafts before it)``, as ``coupled_tokens``'s)
+        ``width`` tokens, the draft first: the best ones, or where the request samples, the
+        token its noise draws first (``spec.coupled``); and whether the draft is near a tie
+        (``TIE_MARGIN``, ``DRAW_MARGIN``)."""
         logits = self.runner.execute(StepInput(steps))
         if not logits.shape[0]:
             return []
         best = logits.topk(max(self.width, 2), dim=-1)  # (40 us more than an argmax a pass)
-        margins = (best.values[:, 0] - best.values[:, 1]).tolist()
-        return list(zip(best.indices[:, : self.width].tolist(), margins))
+        tied = ((best.values[:, 0] - best.values[:, 1]) < TIE_MARGIN).tolist()
+        tokens = best.indices[:, : self.width].tolist()
+        drawing = [i for i, (seq, _) in enumerate(rows) if not plain_greedy(seq.request.params)]
+        if drawing:
+            drawn, margins = coupled_tokens(logits[drawing], [rows[i] for i in drawing],
+                                            self.eos_token_ids)
+            for i, token, margin in zip(drawing, drawn, margins):
+                tokens[i] = lead_with(token, tokens[i])
+                tied[i] = margin < DRAW_MARGIN
+        return list(zip(tokens, tied))
 
 
 def read_draft_model(config: EngineConfig, target: ModelArgs) -> Optional[ModelSource]:
