@@ -14,21 +14,26 @@ of percent here, so both are measured, apart:
   measured in it. A position deeper than any drafted lately starts from the geometric
   extrapolation of the ones before it (``_PRIOR``).
 - What a length costs: its seconds a sequence-step beside the current length's, per batch size
-  (in powers of two). This is what the engine tries neighbouring lengths for: every few steps it
-  runs one (hill climbing over 0, 1, 2, 3, 4, 6, 8) and takes its time over the current
-  length's time then (the median of its latest steps), so a machine that slows down or speeds
-  up between tries moves neither length; it moves when the neighbour's goodput (expected tokens
-  over seconds) is better. A try times its second step: the first pays for the switch (a
-  drafter that sat out plain decoding catches up on the tokens it skipped), which a length it
-  moved to would pay once. (With pipeline stages, one untimed step per stage: their batches
-  hold different sequences. A step in between that runs the try's sequences plain, shared with
-  prefill or of another batch size, drops the try.)
+  (in powers of two). This is what the engine tries other lengths for: every few steps it runs
+  one, in turn the current length's neighbours among 0, 1, 2, 3, 4, 6, 8 (hill climbing) and
+  plain decoding (0), and takes its time over the current length's time then (the median of its
+  latest steps), so a machine that slows down or speeds up between tries moves neither length;
+  it moves when the tried length's goodput (expected tokens over seconds) is better. Plain
+  decoding is always among the tries because the goodput can be flat over the lengths that draft
+  and still below it: a draft model as large as the target costs about a plain step a draft, and
+  with its chains often cut short by near ties, 3 to 8 drafts yielded the same tokens a second,
+  10-20% below plain decoding (the built-in model at O3 drafting for itself at O2); climbing
+  down one neighbour at a time, the length never left that plateau. A try times its second
+  step: the first pays for the switch (a drafter that sat out plain decoding catches up on the
+  tokens it skipped), which a length it moved to would pay once. (With pipeline stages, one
+  untimed step per stage: their batches hold different sequences. A step in between that runs
+  the try's sequences plain, shared with prefill or of another batch size, drops the try.)
 
 Length 0 is plain decoding, so when drafts do not pay the engine stops drafting, and tries again
-now and then in case the workload changed. Once the current length beats both neighbours, tries
-are spaced by what they cost, to at most ``_TRY_SHARE`` of the time: in a full batch a try of
-one draft costs two or three plain steps, and every 64 steps that was 4-5% (EAGLE, c=16). A try
-that wins brings the tries back to every few steps.
+now and then in case the workload changed. Once the current length beats every length it
+tries, tries are spaced by what they cost, to at most ``_TRY_SHARE`` of the time: in a full
+batch a try of one draft costs two or three plain steps, and every 64 steps that was 4-5%
+(EAGLE, c=16). A try that wins brings the tries back to every few steps.
 """
 
 from __future__ import annotations
@@ -42,17 +47,17 @@ from typing import Optional
 # The draft lengths the adaptive length moves between; the last is the longest it chooses.
 LENGTHS = (0, 1, 2, 3, 4, 6, 8)
 MAX_ADAPTIVE_K = LENGTHS[-1]
-# Steps between tries of a neighbouring length: at first, and at most as it doubles while
+# Steps between tries of another length: at first, and at most as it doubles while
 # tries lose; longer where tries cost more than _TRY_SHARE of the time, up to _LONGEST_INTERVAL
 _FIRST_INTERVAL, _MAX_INTERVAL = 4, 64
 _TRY_SHARE = 0.02
 _LONGEST_INTERVAL = 512
 _RECENT = 15  # the current length's latest step times, whose median is its time
-_TRIES_KEPT = 5  # a neighbour's latest relative times, whose median is its relative time
+_TRIES_KEPT = 5  # a tried length's latest relative times, whose median is its relative time
 _DECAY = 0.99  # per drafted step, the weight of a position's earlier acceptance counts
 _PRIOR = 8.0  # pseudo-samples of a position's extrapolated acceptance (see ``_Acceptance``)
-_MIN_TRIES = 3  # measurements of a neighbour before the engine may move to it
-_MARGIN = 0.02  # a neighbour must be this much better to move
+_MIN_TRIES = 3  # measurements of a tried length before the engine may move to it
+_MARGIN = 0.02  # a tried length must be this much better to move
 
 
 class _Acceptance:
@@ -109,16 +114,16 @@ class DraftChoice:
 class _BatchSize:
     """What was measured for one batch-size bucket. Times are medians of the latest steps: a
     step now and then takes several times as long (a page fault, another process), and one
-    such step as a neighbour's try would decide for a long time."""
+    such step as a try would decide for a long time."""
 
     current: int  # index into LENGTHS
     # The current length's latest seconds per sequence-step, and per other length its latest
     # tries' seconds over the current length's time then
     recent: deque = field(default_factory=lambda: deque(maxlen=_RECENT))
     relative: dict[int, deque] = field(default_factory=dict)
-    interval: int = _FIRST_INTERVAL  # steps between tries of a neighbour
+    interval: int = _FIRST_INTERVAL  # steps between tries of another length
     until_try: int = _FIRST_INTERVAL
-    tried_above: bool = False  # which neighbour the last try took
+    turn: int = 0  # tries made: which of ``candidates()`` the next one takes
     # The try under way's untimed steps: their seconds a sequence-step, how many were measured
     switch_seconds: float = 0.0
     switch_steps: int = 0
@@ -126,6 +131,12 @@ class _BatchSize:
 
     def seconds(self) -> Optional[float]:
         return median(self.recent) if self.recent else None
+
+    def candidates(self) -> list[int]:
+        """The lengths (indices) tried beside the current one, in turn: the one above, the one
+        below, and plain decoding where it is neither."""
+        above_below_plain = (self.current + 1, self.current - 1, 0)
+        return [i for i in dict.fromkeys(above_below_plain) if 0 <= i < len(LENGTHS) and i != self.current]
 
     def relative_seconds(self, index: int) -> Optional[float]:
         tries = self.relative.get(index)
@@ -183,14 +194,14 @@ class AdaptiveDraftLength:
         self._trying = None  # (a step of another batch size between: its sequences ran plain)
         index = bucket.current
         bucket.until_try -= 1
-        if bucket.until_try <= 0 and bucket.recent:  # try a neighbour, in turn
+        if bucket.until_try <= 0 and bucket.recent:  # try another length, in turn
             bucket.until_try = bucket.interval
-            bucket.tried_above = not bucket.tried_above or index == 0
-            index = min(max(index + (1 if bucket.tried_above else -1), 0), len(LENGTHS) - 1)
-            if index != bucket.current:
-                self._trying = _Try(key, index, self._switch_steps - 1)
-                bucket.switch_seconds, bucket.switch_steps = 0.0, 0
-                return DraftChoice(num_seqs, LENGTHS[index], timed=False)
+            candidates = bucket.candidates()
+            index = candidates[bucket.turn % len(candidates)]
+            bucket.turn += 1
+            self._trying = _Try(key, index, self._switch_steps - 1)
+            bucket.switch_seconds, bucket.switch_steps = 0.0, 0
+            return DraftChoice(num_seqs, LENGTHS[index], timed=False)
         return DraftChoice(num_seqs, LENGTHS[index])
 
     def skip(self) -> None:
@@ -218,7 +229,7 @@ class AdaptiveDraftLength:
         if index == bucket.current:
             bucket.recent.append(per_seq)
             return
-        if not bucket.recent:  # (a neighbour is tried once the current length has a time)
+        if not bucket.recent:  # (a length is tried once the current length has a time)
             return
         tries = bucket.relative.setdefault(index, deque(maxlen=_TRIES_KEPT))
         tries.append(per_seq / bucket.seconds())
@@ -244,9 +255,8 @@ class AdaptiveDraftLength:
                 bucket.until_try = max(bucket.until_try, bucket.interval)
 
     def _is_best(self, bucket: _BatchSize) -> bool:
-        """Whether the current length beats each of its neighbours as measured so far."""
-        neighbours = {max(bucket.current - 1, 0), min(bucket.current + 1, len(LENGTHS) - 1)}
-        gains = [self._gain(bucket, i) for i in neighbours - {bucket.current}]
+        """Whether the current length beats each length it tries as measured so far."""
+        gains = [self._gain(bucket, i) for i in bucket.candidates()]
         return all(g is not None and g < 1 for g in gains)
 
     def _try_cost(self, bucket: _BatchSize, index: int, per_seq: float) -> float:
