@@ -743,6 +743,65 @@ def test_the_draft_cache_follows_the_target_and_only_complete_pages_are_cached()
     assert (s.num_computed, s.num_draft_computed, s.pages) == (0, 0, [])
 
 
+def test_a_lazy_drafts_pages_are_cached_with_the_target_and_reused_as_far_as_they_hold_its_kv():
+    """A draft model that runs only when it drafts (``lazy_draft``): a page enters the prefix
+    cache with the target's KV, and a sequence reusing cached pages has the draft's KV up to
+    the first page without it; a page given to another sequence no longer holds it."""
+    pool = PagePool(8)
+    kv = KVCacheManager(pool, 4, RadixCache(pool, 4), with_draft=True, lazy_draft=True)
+    a = Sequence(Request("a", list(range(13)), SamplingParams()), 0, list(range(13)), None)
+    assert kv.allocate(a, 13)  # pages 0, 1, 2, 3
+    a.num_computed, a.num_draft_computed = 13, 6  # the draft ran 6 tokens only
+    kv.cache(a)
+    assert kv.prefix_cache.num_pages == 3  # every full page with the target's KV
+    b = Sequence(Request("b", list(range(13)), SamplingParams()), 0, list(range(13)), None)
+    kv.match_prefix(b)
+    assert (b.num_computed, b.num_draft_computed) == (12, 4)  # the draft's KV fills page 0 only
+    b.num_draft_computed = 12  # b's draft caught up, into the shared pages
+    kv.cache(b)
+    c = Sequence(Request("c", list(range(13)), SamplingParams()), 0, list(range(13)), None)
+    kv.match_prefix(c)
+    assert (c.num_computed, c.num_draft_computed) == (12, 12)
+    for seq in (a, b, c):
+        kv.free(seq)
+    kv.prefix_cache.evict(8)  # every page back in the pool, then handed out again
+    d = Sequence(Request("d", list(range(13)), SamplingParams()), 0, list(range(13)), None)
+    assert kv.allocate(d, 13) and sorted(pool.alloc(pool.num_free) + d.pages) == list(range(8))
+    d.num_computed, d.num_draft_computed = 13, 0
+    kv.cache(d)
+    e = Sequence(Request("e", list(range(13)), SamplingParams()), 0, list(range(13)), None)
+    kv.match_prefix(e)
+    assert (e.num_computed, e.num_draft_computed) == (12, 0)
+
+
+def test_a_draft_model_catches_up_on_a_reused_prompt_it_never_ran(builtin_engine, prompts,
+                                                                    reference):
+    """While drafting has stopped (as the adaptive length stops where drafts do not pay), the
+    draft runs no prompts: a request that ends in its prefill step leaves its prompt in the
+    prefix cache without the draft's KV; the next request with that prompt reuses the target's
+    pages, and its draft catches up on them first: the output is still the target's own."""
+    engine = _draft_engine(max_num_sequence=2, spec_draft_length=3)
+    engine._core.speculator.drafter.drafting = False
+    matches = []
+    match = engine._core.kv_manager.match_prefix
+
+    def recording(seq):
+        consulted = match(seq)
+        matches.append((seq.num_computed, seq.num_draft_computed))
+        return consulted
+
+    engine._core.kv_manager.match_prefix = recording
+    try:
+        generate_tokens(engine, prompts[0], SamplingParams(temperature=0, max_tokens=1))
+        assert generate_tokens(engine, prompts[0], GREEDY) == reference[0]
+        assert matches[1][0] > 0 and matches[1][1] == 0
+        assert engine.stats().spec_num_accepted_tokens > 0
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
 def test_a_draft_model_is_refused_with_a_reason(tiny_model_dir, tmp_path):
     from tiny_models import make_hf_llama
 

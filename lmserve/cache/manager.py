@@ -7,8 +7,14 @@ tokens (with lookahead for draft tokens that may be rejected), free a sequence, 
 tokens to the prefix cache, and roll back pages past what was verified. Only full pages holding
 verified tokens ever enter the prefix cache.
 
-With a draft model (``with_draft``) a second KV cache uses the same pages; a page enters the
-prefix cache only when both caches hold its tokens, so a reused prefix is complete in both.
+With a drafter that keeps KV (``with_draft``: a draft model, an EAGLE head) a second KV cache
+uses the same pages; a page enters the prefix cache only when both caches hold its tokens, so a
+reused prefix is complete in both. A draft model that catches up on tokens only when it drafts
+(``lazy_draft``: it can recompute its KV from the tokens, where an EAGLE head would need the
+target's features of them) would then keep every prompt it sat out of the cache: there a page
+enters the cache with the target's KV, the manager remembers which pages hold the draft's KV
+too, and a reused prefix is complete in the draft up to its first page without (the draft
+catches up on the rest, writing into the shared pages the very KV another sequence would).
 
 Under a sliding window on every layer (``window``) a sequence gives back, after every step, the
 pages no later query can see: those wholly between its sink pages and the page of the oldest key
@@ -41,13 +47,16 @@ class KVCacheManager:
     def __init__(self, pool: PagePool, page_size: int,
                  prefix_cache: Optional[RadixCache] = None, with_draft: bool = False,
                  window: Optional[AttentionWindow] = None,
-                 states: Optional[StateManager] = None, paged: bool = True) -> None:
+                 states: Optional[StateManager] = None, paged: bool = True,
+                 lazy_draft: bool = False) -> None:
         self.pool = pool
         self.states = states
         self.paged = paged
         self.page_size = page_size
         self.prefix_cache = prefix_cache
         self.with_draft = with_draft
+        self.lazy_draft = lazy_draft
+        self._draft_pages: set[int] = set()  # lazy_draft: pages that hold the draft's KV too
         self.window = window
         self._sink_pages = -(-window.sinks // page_size) if window else 0
 
@@ -69,6 +78,9 @@ class KVCacheManager:
         seq.pages = pages
         seq.num_computed = len(pages) * self.page_size
         seq.num_draft_computed = seq.num_computed if self.with_draft else 0
+        if self.lazy_draft:
+            with_draft = next((i for i, p in enumerate(pages) if p not in self._draft_pages), len(pages))
+            seq.num_draft_computed = with_draft * self.page_size
         self.release_past_window(seq)
         return True
 
@@ -107,7 +119,9 @@ class KVCacheManager:
             # cannot take: check what it freed.
             if need > self.pool.num_free:
                 return False
-        seq.pages += self.pool.alloc(need)
+        new = self.pool.alloc(need)
+        self._draft_pages.difference_update(new)  # (what a page held before is gone)
+        seq.pages += new
         if self.states is not None:
             self.states.ensure(seq)
         return True
@@ -116,6 +130,7 @@ class KVCacheManager:
         """Offer the sequence's verified tokens (those with KV) to the prefix cache now, so that
         requests arriving meanwhile can share them."""
         if self.prefix_cache is not None:
+            self._note_draft_pages(seq)
             self.prefix_cache.insert(seq.token_ids[: self._num_cacheable(seq)], seq.pages)
         if self.states is not None:
             self.states.at_boundary(seq)
@@ -173,6 +188,7 @@ class KVCacheManager:
         """Release every page of ``seq`` (offering its verified tokens to the prefix cache first
         when ``recycle``); the sequence then has no KV (``num_computed`` is 0)."""
         if recycle and self.prefix_cache is not None:
+            self._note_draft_pages(seq)
             self.prefix_cache.recycle(seq.token_ids[: self._num_cacheable(seq)], seq.pages)
         if self.states is not None:
             self.states.free(seq, snapshot=recycle)
@@ -189,9 +205,17 @@ class KVCacheManager:
         cache_only = self.prefix_cache.evictable_pages() if self.prefix_cache else 0
         return self.pool.num_used - cache_only
 
+    def _note_draft_pages(self, seq: Sequence) -> None:
+        """Remember the pages of ``seq`` that its draft's KV fills (``lazy_draft``)."""
+        if self.lazy_draft:
+            self._draft_pages.update(seq.pages[: min(seq.num_draft_computed, seq.num_computed)
+                                               // self.page_size])
+
     def _num_cacheable(self, seq: Sequence) -> int:
-        """Leading tokens whose KV every cache holds, before any page the window released."""
-        n = min(seq.num_computed, seq.num_draft_computed) if self.with_draft else seq.num_computed
+        """Leading tokens whose KV every cache holds (a lazy draft's aside), before any page the
+        window released."""
+        n = min(seq.num_computed, seq.num_draft_computed) \
+            if self.with_draft and not self.lazy_draft else seq.num_computed
         if seq.num_released_pages:
             n = min(n, self._sink_pages * self.page_size)
         return n

@@ -98,7 +98,8 @@ class EngineCore:
                                              with_draft=self.draft_runner is not None,
                                              window=plan.window if plan.bounded else None,
                                              states=self._make_state_manager(plan),
-                                             paged=plan.num_pages > 0)
+                                             paged=plan.num_pages > 0,
+                                             lazy_draft=draft is not None and not plan.bounded)
             self.speculator = make_speculator(config, plan, self.args, self.draft_runner,
                                               frozenset(self.tokenizer.eos_token_ids))
             if self.speculator is not None:
