@@ -9,7 +9,9 @@ the filtered probabilities:
 
 - ``race``: ``argmax(probs / E)`` with ``E ~ Exponential(1)`` drawn per row from its generator
   (what lmserve did before, and what vLLM does on GPUs);
-- ``multinomial``: ``torch.multinomial`` per row with its generator.
+- ``multinomial``: ``torch.multinomial`` per row with its generator;
+- ``torch cdf``: the same two-level inverse CDF all in torch operations (what lmserve did until
+  2026-12-06; now the blocks' masses are one torch operation and the rest numpy).
 
 Rounds are interleaved; prints the median milliseconds per call and lmserve's speed-up.
 
@@ -31,15 +33,31 @@ from lmserve.sampling_params import SamplingParams
 VOCAB = 49152  # SmolLM2
 
 
-def race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+# Each draw returns the tokens and no margins (``sample`` asks for none here).
+
+def race(probs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, None]:
     noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=batch.generators[r])
                          for r in batch.random_rows])
-    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1), None
 
 
-def multinomial(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def multinomial(probs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, None]:
     return torch.cat([torch.multinomial(probs[r], 1, generator=batch.generators[r])
-                      for r in batch.random_rows])
+                      for r in batch.random_rows]), None
+
+
+def torch_cdf(probs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, None]:
+    uniforms = torch.stack([torch.rand((), dtype=torch.float64, generator=batch.generators[r])
+                            for r in batch.random_rows])
+    rows, size = len(batch.random_rows), sampler._CDF_BLOCK
+    blocks = probs.view(rows, -1, size)  # (R, NB, BS); the vocabulary is whole blocks
+    block_cdf = blocks.sum(-1).double().cumsum(-1)
+    target = uniforms[:, None] * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, target, right=True)[:, 0].clamp_(max=block_cdf.shape[1] - 1)
+    below = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    within_cdf = blocks[torch.arange(rows), block].cumsum(-1)
+    within = torch.searchsorted(within_cdf, (target[:, 0] - below).float()[:, None], right=True)[:, 0]
+    return block * size + within.clamp_(max=size - 1), None
 
 
 def time_call(draw, logits: torch.Tensor, params: list[SamplingParams]) -> float:
@@ -63,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = {"T=1": SamplingParams(temperature=1.0),
                 "T=0.7 top-p 0.9": SamplingParams(temperature=0.7, top_p=0.9)}
-    peers = {"lmserve": None, "race": race, "multinomial": multinomial}
+    peers = {"lmserve": None, "race": race, "multinomial": multinomial, "torch cdf": torch_cdf}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, vocabulary {VOCAB}")
     print(f"{'batch':>5} {'setting':<16}" + "".join(f"{p:>13}" for p in peers) + "   speed-up")
     for b in args.batches:

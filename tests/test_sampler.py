@@ -391,7 +391,7 @@ def test_a_draws_margin_is_its_quantiles_distance_to_the_nearer_edge_of_its_toke
     probs = torch.zeros(2, vocab_size)
     ids = [0, vocab_size // 2, vocab_size - 1]
     probs[:, ids] = torch.tensor([0.2, 0.5, 0.3]) * 7  # (unnormalised)
-    tokens, margins = sampler._inverse_cdf(probs.numpy(), np.array([0.25, 0.68]))
+    tokens, margins = sampler._inverse_cdf(probs, np.array([0.25, 0.68]))
     assert tokens.tolist() == [ids[1], ids[1]]
     assert margins.tolist() == pytest.approx([0.05, 0.02], abs=1e-6)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
@@ -404,7 +404,7 @@ def test_a_row_without_mass_draws_the_last_token_of_the_vocabulary():
     """A row whose every token is masked (a grammar no token can continue: NaN probabilities)
     draws the vocabulary's last token, which the grammar then refuses; with a vocabulary that
     is not a whole number of blocks, that is still inside it (it once came out past the end)."""
-    probs = np.full((2, 700), np.nan, dtype=np.float32)
+    probs = torch.full((2, 700), float("nan"))
     probs[1] = 0.0
     tokens, margins = sampler._inverse_cdf(probs, np.array([0.3, 0.6]))
     assert tokens.tolist() == [699, 699] and margins.tolist() == [0.0, 0.0]
