@@ -233,6 +233,29 @@ def test_the_adaptive_length_leaves_a_plateau_of_lengths_that_all_lose_to_plain_
         assert chosen[0] == 8 and chosen[-200:].count(0) >= 190, (seed, chosen[-200:])
 
 
+def test_a_batch_sizes_tail_takes_the_length_measured_beside_it():
+    """Four streams at a time: the full batch's steps measure that drafts do not pay (a
+    compute-bound machine, drafts right half the time), and as each wave's requests finish a
+    few steps run with 3, 2 and 1 streams. Too few for a median of their own, those sizes take
+    the full batch's plain decoding (trying one draft now and then) instead of drafting from the
+    draft model's start (8 drafts a step). A full batch measured nothing yet starts at 0 whatever
+    one stream found, and a batch size with a median of its own keeps its length."""
+    policy, rng, tails = AdaptiveDraftLength(start=8), random.Random(0), []
+    for _ in range(5):
+        for num_seqs in [4] * 60 + [3] * 3 + [2] * 3 + [1] * 3:
+            choice = policy.choose(num_seqs)
+            k = choice.length
+            if num_seqs < 4:
+                tails.append(k)
+            policy.observe(choice, num_seqs * (1 + k),
+                           [(k, _accepted(rng, 0.5, k)) for _ in range(num_seqs)])
+    assert set(tails) <= {0, 1} and tails.count(0) >= 0.8 * len(tails), tails
+    one_stream = AdaptiveDraftLength(start=8)
+    _simulate(one_stream, 1, 0.8, 0.010, 0.001, steps=600)
+    assert one_stream.choose(16).length == 0
+    assert _simulate(one_stream, 1, 0.8, 0.010, 0.001, steps=20, seed=1).count(0) == 0
+
+
 def test_the_adaptive_length_holds_the_best_length_through_hard_text_and_a_changing_machine():
     """A stream of one: text where drafts are right 45% of the time alternates with text where
     they are right 25% (every 64 steps), and the machine runs 30% faster or slower in stretches
@@ -314,6 +337,49 @@ def test_tries_that_lose_cost_at_most_two_percent_and_a_change_of_workload_is_fo
     assert goodput > 0.975 and chosen[-500:].count(0) >= 480
     _, chosen = run(1000, 0.9, 0.2)
     assert chosen[200:].count(0) <= 30
+
+
+def test_tries_that_cost_a_long_catch_up_are_spaced_to_match():
+    """Four streams with long prompts and a draft model as large as the target: after plain
+    decoding, a try's first step has the draft catch up on every stream's prompt, 70 plain
+    steps' time, and one draft (right 90% of the time) then costs a plain step. Tries at most
+    512 steps apart took 12% of the time; spaced by their cost, 3%."""
+    policy, rng, previous, tokens, seconds = AdaptiveDraftLength(), random.Random(0), 0, 0.0, 0.0
+    for _ in range(20000):
+        choice = policy.choose(4)
+        k = choice.length
+        took = 1.0 if k == 0 else 2.0 + 70.0 * (previous == 0)
+        accepted = [_accepted(rng, 0.9, k) for _ in range(4)]
+        policy.observe(choice, took, [(k, a) for a in accepted])
+        tokens, seconds, previous = tokens + 1 + sum(accepted) / 4, seconds + took, k
+    assert tokens / seconds > 0.96
+
+
+def test_a_try_waits_until_the_time_since_the_last_pays_for_its_catch_up():
+    """Sixteen streams at the O0 target with a draft model: one draft a step, right 98% of the
+    time, costs 2.4 plain steps (1.98 tokens for it: plain decoding is better), and a draft
+    model that sat out runs every token it skipped first, 0.004 plain steps a token. Each wave
+    of requests (64 steps) brings 16 prompts of 450 tokens, which the draft runs only while
+    drafting goes on. The first tries find the draft in step and cheap, and space the next
+    ones by that; a try after a wave then has the draft catch up on 7,200 tokens, 29 plain
+    steps. Over 2,000 steps (a few seconds of serving) plain decoding's goodput was 0.942 of
+    itself; told how far behind the drafter is, the adaptive length waits until the steps since
+    the last try pay for the catch-up at its 2% share: 0.970."""
+    def run(tell: bool) -> float:
+        policy, rng = AdaptiveDraftLength(), random.Random(0)
+        behind, drafting, tokens, seconds = [0] * 16, True, 0.0, 0.0
+        for step in range(2000):
+            if step % 64 == 0:  # a new wave of requests
+                behind = [0 if drafting else 450] * 16
+            choice = policy.choose(16, sum(behind) if tell else 0)
+            k = choice.length
+            took = 1.0 + 1.4 * k + (0.004 * sum(behind) if k else 0.0)
+            behind = [0 if k else b + 1 for b in behind]
+            accepted = [_accepted(rng, 0.98, k) for _ in range(16)]
+            policy.observe(choice, took, [(k, a) for a in accepted])
+            tokens, seconds, drafting = tokens + 1 + sum(accepted) / 16, seconds + took, k > 0
+        return tokens / seconds
+    assert run(tell=False) < 0.95 and run(tell=True) > 0.965
 
 
 def test_steps_without_drafts_do_not_measure_the_length_that_allowed_them():
@@ -866,6 +932,9 @@ def test_the_adaptive_length_asks_the_drafter_nothing_when_it_chooses_not_to_dra
         def num_nodes(self, seq, depth):
             return depth
 
+        def behind(self, seq):
+            return 0
+
     drafter = CountingDrafter()
     spec = Speculator(drafter, k=0, max_sequence_length=100)
     seqs = [Sequence(Request(str(i), [1, 2], SamplingParams(max_tokens=50)), 0, [1, 2], None)
@@ -887,6 +956,9 @@ def test_each_step_is_measured_by_its_own_draft_length_with_steps_in_flight():
 
         def num_nodes(self, seq, depth):
             return depth
+
+        def behind(self, seq):
+            return 0
 
         def propose(self, batch, depths):
             for c, depth in depths.items():

@@ -85,6 +85,9 @@ class DraftModelDrafter:
     def num_nodes(self, seq: Sequence, depth: int) -> int:
         return depth * self.width
 
+    def behind(self, seq: Sequence) -> int:
+        return len(seq.token_ids) - 1 - seq.num_draft_computed
+
     def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
         # Catch up: prefill chunks' tokens while drafting goes on (the latest decode step
         # drafted), and every token of a drafting sequence up to its newest, whose logits give

@@ -229,6 +229,10 @@ class EagleDrafter:
     def num_nodes(self, seq: Sequence, depth: int) -> int:
         return depth * self.width
 
+    @staticmethod
+    def behind(seq: Sequence) -> int:
+        return _backlog(seq)
+
     def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
         drafting = [c for c, depth in depths.items() if depth]
         lagging = [c for c in batch.chunks if c not in depths and _backlog(c.seq) >= CATCH_UP_TOKENS]

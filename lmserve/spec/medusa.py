@@ -214,6 +214,10 @@ class MedusaDrafter:
             return sum(len(c) <= depth for c in self.choices)
         return depth * self.width
 
+    @staticmethod
+    def behind(seq: Sequence) -> int:
+        return 0  # (no state to catch up)
+
     def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
         drafting = [c for c, depth in depths.items() if depth]
         if not drafting:

@@ -58,6 +58,10 @@ class NgramDrafter:
         tree = self._proposals.get(seq)
         return 0 if tree is None else sum(tree.depth(i) <= depth for i in range(len(tree)))
 
+    @staticmethod
+    def behind(seq: Sequence) -> int:
+        return 0  # (no state to catch up)
+
     def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
         for c, depth in depths.items():
             c.draft = self._proposals[c.seq].truncated(c.num_lookahead, depth)

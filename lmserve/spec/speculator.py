@@ -68,6 +68,10 @@ class Drafter(Protocol):
     def num_nodes(self, seq: Sequence, depth: int) -> int:
         """The draft tokens (tree nodes) it drafts for ``seq`` at most ``depth`` deep."""
 
+    def behind(self, seq: Sequence) -> int:
+        """The tokens of ``seq`` it would run before drafting (a drafter with state that sat
+        out catches up); the adaptive length weighs a try's catch-up by them."""
+
     def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
         """Fill the ``draft`` of the chunks in ``depths``: at most that deep and
         ``num_lookahead`` nodes, and at most what was offered. A drafter with its own KV (a
@@ -114,7 +118,8 @@ class Speculator:
                 return [0] * len(seqs)
             # Chosen before the drafter is asked: a plain decode step (the usual choice of a
             # full batch) then pays for no lookups or draft passes.
-            self._choice = self.adaptive.choose(len(seqs))
+            self._choice = self.adaptive.choose(len(seqs),
+                                                sum(map(self.drafter.behind, seqs)))
             k = self._choice.length
             if k == 0:
                 return [0] * len(seqs)
