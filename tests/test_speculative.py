@@ -845,11 +845,19 @@ def test_a_draft_model_catches_up_on_a_reused_prompt_it_never_ran(builtin_engine
     """While drafting has stopped (as the adaptive length stops where drafts do not pay), the
     draft runs no prompts: a request that ends in its prefill step leaves its prompt in the
     prefix cache without the draft's KV; the next request with that prompt reuses the target's
-    pages, and its draft catches up on them first: the output is still the target's own."""
+    pages, and its draft catches up on them first (the drafter says it is that far behind):
+    the output is still the target's own."""
     engine = _draft_engine(max_num_sequence=2, spec_draft_length=3)
-    engine._core.speculator.drafter.drafting = False
-    matches = []
-    match = engine._core.kv_manager.match_prefix
+    drafter = engine._core.speculator.drafter
+    drafter.drafting = False
+    matches, behind = [], []
+    match, propose = engine._core.kv_manager.match_prefix, drafter.propose
+
+    def proposing(batch, depths):
+        behind.extend(drafter.behind(c.seq) for c in batch.chunks if c.decode)
+        propose(batch, depths)
+
+    drafter.propose = proposing
 
     def recording(seq):
         consulted = match(seq)
@@ -859,8 +867,11 @@ def test_a_draft_model_catches_up_on_a_reused_prompt_it_never_ran(builtin_engine
     engine._core.kv_manager.match_prefix = recording
     try:
         generate_tokens(engine, prompts[0], SamplingParams(temperature=0, max_tokens=1))
+        behind.clear()
         assert generate_tokens(engine, prompts[0], GREEDY) == reference[0]
         assert matches[1][0] > 0 and matches[1][1] == 0
+        # (then at most its last draft, which it produced but did not run)
+        assert behind[0] == len(prompts[0]) and max(behind[1:]) <= 1
         assert engine.stats().spec_num_accepted_tokens > 0
         wait_idle(engine)
         assert engine.kv_pages_in_use() == 0

@@ -86,7 +86,7 @@ class DraftModelDrafter:
         return depth * self.width
 
     def behind(self, seq: Sequence) -> int:
-        return len(seq.token_ids) - 1 - seq.num_draft_computed
+        return max(0, len(seq.token_ids) - 1 - seq.num_draft_computed)
 
     def propose(self, batch: Batch, depths: dict[ScheduledChunk, int]) -> None:
         # Catch up: prefill chunks' tokens while drafting goes on (the latest decode step
