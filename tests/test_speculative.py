@@ -250,6 +250,16 @@ def test_a_batch_sizes_tail_takes_the_length_measured_beside_it():
             policy.observe(choice, num_seqs * (1 + k),
                            [(k, _accepted(rng, 0.5, k)) for _ in range(num_seqs)])
     assert set(tails) <= {0, 1} and tails.count(0) >= 0.8 * len(tails), tails
+    # Where the full batch drafts (here 2-4 a step: drafts right 90% of the time, a step's
+    # fixed cost ten of its tokens'), a tail starts at the start, not at the full batch's
+    # length: drafts pay more in a smaller batch.
+    policy, chosen = AdaptiveDraftLength(start=8), []
+    for _ in range(300):
+        choice = policy.choose(4)
+        k = choice.length
+        policy.observe(choice, 10 + 4 * (1 + k), [(k, _accepted(rng, 0.9, k)) for _ in range(4)])
+        chosen.append(k)
+    assert sum(k in (2, 3, 4) for k in chosen[-50:]) >= 40 and policy.choose(2).length == 8
     one_stream = AdaptiveDraftLength(start=8)
     _simulate(one_stream, 1, 0.8, 0.010, 0.001, steps=600)
     assert one_stream.choose(16).length == 0

@@ -40,8 +40,8 @@ predicted from how far behind the drafter is and the latest catch-ups' seconds a
 
 Each batch size (in powers of two) has its own length, but the sizes a batch passes through as
 its requests finish run a few steps a wave, too few to learn anything: until a size has a
-median of its own, it takes the length of the nearest size that has one where that is shorter
-than its own start, and that size's spacing of tries (``_follow``).
+median of its own, it decodes plain (with that size's spacing of tries) where the nearest size
+that has one does, and starts at its own start otherwise (``_follow``).
 """
 
 from __future__ import annotations
@@ -318,24 +318,24 @@ class AdaptiveDraftLength:
 
     def _follow(self, key: int, bucket: Optional[_BatchSize]) -> _BatchSize:
         """A batch size with too few steps of its own for a median, which its own tries have
-        not moved (a batch's tail as its requests finish: a few steps a wave), takes the length
-        of the nearest batch size that has one (the larger of two as near) where that is
-        shorter than its own start: drafts pay less as the batch grows, so a larger batch's
-        length is a safe guess, and a smaller one's no better than the start. Left at the draft
-        model's start, every tail of 4 streams drafted 8 tokens a step where the full batch had
-        measured plain decoding 1.3-1.4x faster (the built-in model drafting for itself at the
-        default level)."""
+        not moved (a batch's tail as its requests finish: a few steps a wave), does not draft
+        where the nearest batch size that has one (the larger of two as near) settled on plain
+        decoding, and starts at its own start otherwise. Left at the draft model's start, every
+        tail of 4 streams drafted 8 tokens a step where the full batch had measured plain
+        decoding 1.3-1.4x faster (the built-in model drafting for itself at the default level);
+        taking a drafting batch's length instead, the tails of 4 streams drafted 3 at the O0
+        target, where 8 pays most at one or two streams."""
         measured = [k for k, b in self._buckets.items() if len(b.recent) == _RECENT]
         nearest = self._buckets[min(measured, key=lambda k: (abs(k - key), -k))] \
             if measured else None
-        guess = min(nearest.current, self._first_length(key)) if nearest else \
-            self._first_length(key)
+        plain = nearest is not None and nearest.current == 0
+        guess = 0 if plain else self._first_length(key)
         if bucket is None or guess != bucket.current:
             bucket = self._buckets[key] = _BatchSize(current=guess)
-            if nearest and guess == nearest.current:
-                # Tried as seldom as the nearest one, which found its length the best, and once
-                # a try loses, spaced by what its own tries cost (a draft model's catch-up on
-                # every sequence's prompt costs more in a larger batch).
+            if plain:
+                # Tried as seldom as the nearest one, which found plain decoding the best, and
+                # once a try loses, spaced by what its own tries cost (a draft model's catch-up
+                # on every sequence's prompt costs more in a larger batch).
                 bucket.interval = bucket.until_try = nearest.interval
                 bucket.followed = True
         return bucket
