@@ -21,6 +21,7 @@ off.
     .venv/bin/python benchmarks/speculative.py [--mode ngram|small_draft|eagle|medusa] \
         [--heads DIR] [--rounds 3] \
         [--concurrency 1 4 16] [--lengths 0 2 4 8] [--widths 1 3] [--opt O2] [--max-tokens 96] \
+        [--requests 2] \
         [--draft-opts O3 O2] [--temperature 0.7 --top-p 0.95]
 """
 
@@ -134,6 +135,10 @@ def main() -> None:
                     help="the drafter's levels to run each length with (the draft_opt knob; "
                          "default: the engine's, O3)")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--requests", type=int, default=2,
+                    help="requests per stream in a measurement (at least the workload's prompts): "
+                         "the last of them finish unevenly where drafting speeds answers up "
+                         "unevenly, and more make that tail a smaller part")
     ap.add_argument("--workloads", nargs="+", default=["grounded", "chat"])
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sample at this temperature (seeded, so every configuration's output "
@@ -253,7 +258,8 @@ def _serve(conn, kwargs: dict, args: argparse.Namespace) -> None:
         workload, c = command
         prompts = workloads[workload]
         # Enough requests that every concurrency keeps its streams busy.
-        batch = (prompts * (1 + 2 * c // len(prompts)))[: max(len(prompts), 2 * c)]
+        n = max(len(prompts), args.requests * c)
+        batch = (prompts * (1 + n // len(prompts)))[:n]
         before = _counts(engine)
         seconds, tokens, outputs, decode_seconds, decode_tokens = run_batch(engine, batch, params, c)
         # (No decode to measure when every request stopped at its first token.)
