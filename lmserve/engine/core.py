@@ -248,10 +248,14 @@ class EngineCore:
         With pipeline stages, up to one batch per stage is in flight: a step starts batches
         (of sequences not in flight) until the pipeline is full, then finishes the oldest."""
         while len(self.in_flight) < self.scheduler.pipeline_depth:
+            # A step's time counts its scheduling: that is where a drafter looks its drafts up
+            # (prompt lookup's matching) and their slots get pages, which the adaptive length
+            # must pay for as it pays for the drafts' verification.
+            started = time.perf_counter()
             batch = self.scheduler.schedule()
             if batch is None:
                 break
-            self.in_flight.append(self._start(batch))
+            self.in_flight.append(self._start(batch, started))
         if not self._said_queueing and self.scheduler.waiting and (
                 len(self.scheduler.running) >= self.plan.max_num_sequence):
             self._say_queueing()
@@ -260,9 +264,9 @@ class EngineCore:
         batch, logits, started = self.in_flight.popleft()
         return self._finish(batch, logits(), started)
 
-    def _start(self, batch: Batch) -> tuple[Batch, Callable[[], torch.Tensor], float]:
-        """Draft for the batch and start its forward pass (see ``ParallelRunner.submit``)."""
-        started = time.perf_counter()
+    def _start(self, batch: Batch, started: float) -> tuple[Batch, Callable[[], torch.Tensor], float]:
+        """Draft for the batch (scheduled from ``started`` on) and start its forward pass (see
+        ``ParallelRunner.submit``)."""
         now = time.monotonic()
         for chunk in batch.chunks:
             if chunk.seq.request.first_scheduled_time is None:
