@@ -18,10 +18,10 @@ import torch
 from conftest import (concurrently, generate_tokens, homogeneity_pvalue, run_concurrently,
                       sixth_token_draws, wait_idle)
 from lmserve import Engine, SamplingParams
-from lmserve.config import EngineConfig
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
+from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
 from lmserve.models.builtin import builtin_model_path
 from lmserve.request import Request, Sequence
@@ -414,7 +414,6 @@ def test_steps_without_drafts_do_not_measure_the_length_that_allowed_them():
     assert chosen[-500:].count(6) >= 480
 
 
-
 def test_a_steps_measured_time_counts_the_drafters_lookup_while_scheduling(tiny_model_dir,
                                                                            monkeypatch):
     """Prompt lookup finds its matches while the step is scheduled (its offer sizes the draft
@@ -447,6 +446,7 @@ def test_a_steps_measured_time_counts_the_drafters_lookup_while_scheduling(tiny_
         core.step()
     with_lookups = [seconds for looked, seconds in measured if looked]
     assert with_lookups and min(with_lookups) >= 0.02
+
 
 # -- the engine: output identical to speculation off ---------------------------------------------
 

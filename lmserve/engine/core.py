@@ -264,7 +264,8 @@ class EngineCore:
         batch, logits, started = self.in_flight.popleft()
         return self._finish(batch, logits(), started)
 
-    def _start(self, batch: Batch, started: float) -> tuple[Batch, Callable[[], torch.Tensor], float]:
+    def _start(self, batch: Batch, started: float
+               ) -> tuple[Batch, Callable[[], torch.Tensor], float]:
         """Draft for the batch (scheduled from ``started`` on) and start its forward pass (see
         ``ParallelRunner.submit``)."""
         now = time.monotonic()

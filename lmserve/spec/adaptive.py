@@ -14,9 +14,10 @@ of percent here, so both are measured, apart:
   measured in it. A position deeper than any drafted lately starts from the geometric
   extrapolation of the ones before it (``_PRIOR``).
 - What a length costs: its seconds a sequence-step beside the current length's, per batch size
-  (in powers of two), from the step's scheduling (where prompt lookup finds its matches) on. This is what the engine tries other lengths for: every few steps it runs
-  one, in turn the current length's neighbours among 0, 1, 2, 3, 4, 6, 8 (hill climbing) and
-  plain decoding (0), and takes its time over the current length's time then (the median of its
+  (in powers of two), from the step's scheduling (where prompt lookup finds its matches) on.
+  This is what the engine tries other lengths for: every few steps it runs one, in turn the
+  current length's neighbours among 0, 1, 2, 3, 4, 6, 8 (hill climbing) and plain decoding
+  (0), and takes its time over the current length's time then (the median of its
   latest steps), so a machine that slows down or speeds up between tries moves neither length;
   it moves when the tried length's goodput (expected tokens over seconds) is better. Plain
   decoding is always among the tries because the goodput can be flat over the lengths that draft
