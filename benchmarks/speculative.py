@@ -14,7 +14,7 @@ Reported: the median of the rounds' output tokens per second (end to end, prefil
 of the streams' decode speed (tokens after each request's first over the time from its first
 token to its last: what speculation speeds up), the median of the rounds' ratios
 to speculation off (each taken within its round: this machine's speed changes by up to 2x between
-stretches of a few seconds), the acceptance (accepted drafts / drafts) and the mean tokens per
+stretches of a few seconds; from 4 rounds on, with their quartiles), the acceptance (accepted drafts / drafts) and the mean tokens per
 verify step. Every engine's output is checked to be token for token the output with speculation
 off.
 
@@ -192,20 +192,32 @@ def main() -> None:
     for worker in workers.values():
         worker.close()
 
+    width = 44 if args.rounds >= 4 else 34
     for workload in args.workloads:
         for metric, title in METRICS.items():
-            print(f"\n{workload} prompts, {title} (ratio to off); acceptance; tokens per step")
-            print(f"{'config':<28}" + "".join(f"{'c=' + str(c):>34}" for c in args.concurrency))
+            spread = "; its rounds' quartiles" if args.rounds >= 4 else ""
+            print(f"\n{workload} prompts, {title} (ratio to off{spread}); acceptance; tokens per step")
+            print(f"{'config':<28}" + "".join(f"{'c=' + str(c):>{width}}" for c in args.concurrency))
             for name in configs:
                 cells = []
                 for c in args.concurrency:
                     rate = statistics.median(rates[(metric, workload, c, name)])
-                    ratio = statistics.median(ratios[(metric, workload, c, name)])
+                    ratio = _ratio(ratios[(metric, workload, c, name)])
                     drafts, drafted, accepted = (sum(x) for x in zip(*accept[(workload, c, name)]))
                     acceptance = (f" {accepted / drafted:4.0%} {1 + accepted / drafts:4.2f}"
                                   if drafts else " " * 10)
-                    cells.append(f"{rate:8.1f} ({ratio:5.2f}x){acceptance}")
-                print(f"{name:<28}" + "".join(f"{cell:>34}" for cell in cells))
+                    cells.append(f"{rate:8.1f} ({ratio}){acceptance}")
+                print(f"{name:<28}" + "".join(f"{cell:>{width}}" for cell in cells))
+
+
+def _ratio(ratios: list[float]) -> str:
+    """The median of the rounds' ratios, and from 4 rounds on their first and third quartiles:
+    how far one run of a few rounds may land from the median on this machine."""
+    text = f"{statistics.median(ratios):5.2f}x"
+    if len(ratios) >= 4:
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        text += f" {q1:4.2f}-{q3:4.2f}"
+    return text
 
 
 # What each measurement reports: output tokens/s of the whole batch, prefill included, and the
