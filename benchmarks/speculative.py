@@ -9,7 +9,8 @@ level (O3 by default; ``--draft-opts`` runs each length at each level given) for
 ``--opt`` (e.g. O0: the exact reference output at a quantized model's speed). ``--mode eagle`` and ``--mode medusa`` draft with the heads in
 ``--heads DIR`` (written by ``lmserve train-heads --kind eagle|medusa --out DIR``). Each configuration's engine lives in its own process for the whole run
 (as a server's would: the adaptive length keeps what it learned); in every round each workload
-and concurrency is measured by every configuration in turn, back to back, in a rotating order.
+and concurrency is measured by every configuration in turn, back to back, in a rotating order
+(at one stream request by request: one config's request, then the next config's, ...).
 Reported: the median of the rounds' output tokens per second (end to end, prefill included) and
 of the streams' decode speed (tokens after each request's first over the time from its first
 token to its last: what speculation speeds up), the median of the rounds' ratios
@@ -36,6 +37,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 from lmserve import Engine, SamplingParams
 from lmserve.kernels.build import cpu_name
@@ -179,7 +181,7 @@ def main() -> None:
             for c in args.concurrency:
                 names = list(configs)
                 names = names[r % len(names):] + names[: r % len(names)]  # rotate the order
-                got = {name: workers[name].run(workload, c) for name in names}
+                got = _measure(workers, names, workload, c, _num_requests(workload, c, args))
                 for name, m in got.items():
                     accept.setdefault((workload, c, name), []).append(m.counts)
                     if m.outputs != got["off"].outputs:
@@ -229,12 +231,52 @@ METRICS = {"output_rate": "output tokens/s, end to end",
 
 @dataclass
 class Measurement:
-    """One configuration's batch of one workload at one concurrency."""
+    """One configuration's requests of one workload at one concurrency (or a part of them)."""
 
-    output_rate: float
-    decode_rate: float
+    seconds: float
+    tokens: int
     outputs: list
-    counts: tuple[int, int, int]  # spec counters' increase: drafts, draft tokens, accepted
+    decode_seconds: float
+    decode_tokens: int
+    counts: tuple[int, ...]  # spec counters' increase: drafts, draft tokens, accepted
+
+    @property
+    def output_rate(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def decode_rate(self) -> float:
+        # (No decode to measure when every request stopped at its first token.)
+        return self.decode_tokens / self.decode_seconds if self.decode_tokens else math.nan
+
+    def __add__(self, other: Measurement) -> Measurement:
+        return Measurement(self.seconds + other.seconds, self.tokens + other.tokens,
+                           self.outputs + other.outputs, self.decode_seconds + other.decode_seconds,
+                           self.decode_tokens + other.decode_tokens,
+                           tuple(a + b for a, b in zip(self.counts, other.counts)))
+
+
+def _num_requests(workload: str, concurrency: int, args: argparse.Namespace) -> int:
+    """Enough requests that every concurrency keeps its streams busy."""
+    prompts = len(grounded_prompts()) if workload == "grounded" else len(CHAT)
+    return max(prompts, args.requests * concurrency)
+
+
+def _measure(workers: dict, names: list[str], workload: str, concurrency: int,
+             num_requests: int) -> dict[str, Measurement]:
+    """Each configuration's measurement, in the order of ``names``. One stream's requests run
+    one after another anyway, so there the configurations take turns request by request (each
+    pair a second apart, not ten: the ratios of a round then differ by a few percent where
+    this machine's stretches made them differ by 15-25%); more streams run all their requests
+    in one go (a batch's requests overlap, and its tail is part of what is measured)."""
+    if concurrency > 1:
+        return {name: workers[name].run(workload, concurrency) for name in names}
+    got: dict[str, Measurement] = {}
+    for i in range(num_requests):
+        for name in names:
+            m = workers[name].run(workload, 1, i)
+            got[name] = got[name] + m if name in got else m
+    return got
 
 
 class _Worker:
@@ -247,8 +289,9 @@ class _Worker:
         self.process.start()
         self.conn.recv()  # built and warm (one at a time: builds do not overlap)
 
-    def run(self, workload: str, concurrency: int) -> Measurement:
-        self.conn.send((workload, concurrency))
+    def run(self, workload: str, concurrency: int, request: Optional[int] = None) -> Measurement:
+        """The workload's requests at ``concurrency``, or only the one numbered ``request``."""
+        self.conn.send((workload, concurrency, request))
         return Measurement(*self.conn.recv())
 
     def close(self) -> None:
@@ -267,15 +310,14 @@ def _serve(conn, kwargs: dict, args: argparse.Namespace) -> None:
     run_batch(engine, workloads["chat"][:1], SamplingParams(temperature=0, max_tokens=4), 1)
     conn.send("ready")
     while (command := conn.recv()) is not None:
-        workload, c = command
+        workload, c, request = command
         prompts = workloads[workload]
-        # Enough requests that every concurrency keeps its streams busy.
-        n = max(len(prompts), args.requests * c)
+        n = _num_requests(workload, c, args)
         batch = (prompts * (1 + n // len(prompts)))[:n]
+        if request is not None:
+            batch = batch[request : request + 1]
         before = _counts(engine)
-        seconds, tokens, outputs, decode_seconds, decode_tokens = run_batch(engine, batch, params, c)
-        # (No decode to measure when every request stopped at its first token.)
-        conn.send((tokens / seconds, decode_tokens / decode_seconds if decode_tokens else math.nan, outputs,
+        conn.send((*run_batch(engine, batch, params, c),
                    tuple(a - b for a, b in zip(_counts(engine), before))))
     engine.shutdown()
 
