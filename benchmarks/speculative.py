@@ -3,27 +3,29 @@
 Input-grounded prompts (rewrite, extract from or edit a given text or code: what prompt lookup
 is for) and plain chat prompts, each sent ``--concurrency`` at a time (greedy, or seeded
 sampling at ``--temperature``; output lengths drawn around ``--max-tokens``, the same for every
-configuration), to engines with speculation off, the drafter (``--mode``) with fixed draft lengths, and
-with the adaptive length (spec_draft_length=0), each as a chain or as trees (``--widths``,
-spec_tree_width). ``--mode small_draft`` drafts with the built-in model itself at the draft's
-level (O3 by default; ``--draft-opts`` runs each length at each level given) for a target at
-``--opt`` (e.g. O0: the exact reference output at a quantized model's speed). ``--mode eagle`` and ``--mode medusa`` draft with the heads in
-``--heads DIR`` (written by ``lmserve train-heads --kind eagle|medusa --out DIR``). Each configuration's engine lives in its own process for the whole run
-(as a server's would: the adaptive length keeps what it learned); in every round each workload
-and concurrency is measured by every configuration in turn, back to back, in a rotating order
-(at one stream request by request: one config's request, then the next config's, ...).
-Reported: the median of the rounds' output tokens per second (end to end, prefill included) and
-of the streams' decode speed (tokens after each request's first over the time from its first
-token to its last: what speculation speeds up), the median of the rounds' ratios
-to speculation off (each taken within its round: this machine's speed changes by up to 2x between
-stretches of a few seconds; from 4 rounds on, with their quartiles), the acceptance (accepted drafts / drafts) and the mean tokens per
-verify step. Every engine's output is checked to be token for token the output with speculation
-off.
+configuration), to engines with speculation off, the drafter (``--mode``) with fixed draft
+lengths, and with the adaptive length (spec_draft_length=0), each as a chain or as trees
+(``--widths``, spec_tree_width). ``--mode small_draft`` drafts with the built-in model itself
+at the draft's level (O3 by default; ``--draft-opts`` runs each length at each level given) for
+a target at ``--opt`` (e.g. O0: the exact reference output at a quantized model's speed).
+``--mode eagle`` and ``--mode medusa`` draft with the heads in ``--heads DIR`` (written by
+``lmserve train-heads --kind eagle|medusa --out DIR``).
+
+Each configuration's engine lives in its own process for the whole run (as a server's would:
+the adaptive length keeps what it learned); in every round each workload and concurrency is
+measured by every configuration in turn, back to back, in a rotating order (at one stream
+request by request: one configuration's request, then the next one's, ...). Reported: the
+median of the rounds' output tokens per second (end to end, prefill included) and of the
+streams' decode speed (tokens after each request's first over the time from its first token to
+its last: what speculation speeds up), the median of the rounds' ratios to speculation off
+(each taken within its round: this machine's speed changes by up to 2x between stretches of a
+few seconds; from 4 rounds on, with their quartiles), the acceptance (accepted drafts / drafts)
+and the mean tokens per verify step. Every engine's output is checked to be token for token
+the output with speculation off.
 
     .venv/bin/python benchmarks/speculative.py [--mode ngram|small_draft|eagle|medusa] \
-        [--heads DIR] [--rounds 3] \
-        [--concurrency 1 4 16] [--lengths 0 2 4 8] [--widths 1 3] [--opt O2] [--max-tokens 96] [--length-spread 0.75] \
-        [--requests 2] \
+        [--heads DIR] [--rounds 3] [--concurrency 1 4 16] [--lengths 0 2 4 8] [--widths 1 3] \
+        [--opt O2] [--max-tokens 96] [--length-spread 0.75] [--requests 2] \
         [--draft-opts O3 O2] [--temperature 0.7 --top-p 0.95]
 """
 
@@ -171,7 +173,8 @@ def main() -> None:
     }
     sampling = f"temperature {args.temperature}, top_p {args.top_p}" if args.temperature else "greedy"
     print(f"CPU: {cpu_name()}; opt {args.opt or 'default'}; {args.mode}; {sampling}; "
-          f"{args.max_tokens} tokens per request (spread {args.length_spread}); median of {args.rounds} rounds", flush=True)
+          f"{args.max_tokens} tokens per request (spread {args.length_spread}); "
+          f"median of {args.rounds} rounds", flush=True)
 
     # One process per configuration, built once (a long-lived server's engine; the adaptive
     # length keeps what it learned), and every measurement of a round taken by each
