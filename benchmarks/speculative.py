@@ -182,6 +182,7 @@ def main() -> None:
     # few-second stretch to the next, so a ratio is taken within a round, between neighbours in
     # time. (Engines in separate processes: two in one process slow each other down.)
     workers = {name: _Worker(kwargs, args) for name, kwargs in configs.items()}
+    num_prompts = {"grounded": len(grounded_prompts()), "chat": len(CHAT)}
     # (metric, workload, concurrency, config) -> tokens/s a round, and its ratio to off's
     rates: dict[tuple, list[float]] = {}
     ratios: dict[tuple, list[float]] = {}
@@ -191,7 +192,8 @@ def main() -> None:
             for c in args.concurrency:
                 names = list(configs)
                 names = names[r % len(names):] + names[: r % len(names)]  # rotate the order
-                got = _measure(workers, names, workload, c, _num_requests(workload, c, args))
+                got = _measure(workers, names, workload, c,
+                               _num_requests(num_prompts[workload], c, args))
                 for name, m in got.items():
                     accept.setdefault((workload, c, name), []).append(m.counts)
                     if m.outputs != got["off"].outputs:
@@ -266,10 +268,9 @@ class Measurement:
                            tuple(a + b for a, b in zip(self.counts, other.counts)))
 
 
-def _num_requests(workload: str, concurrency: int, args: argparse.Namespace) -> int:
+def _num_requests(num_prompts: int, concurrency: int, args: argparse.Namespace) -> int:
     """Enough requests that every concurrency keeps its streams busy."""
-    prompts = len(grounded_prompts()) if workload == "grounded" else len(CHAT)
-    return max(prompts, args.requests * concurrency)
+    return max(num_prompts, args.requests * concurrency)
 
 
 def _output_lengths(workload: str, concurrency: int, num_requests: int,
@@ -333,7 +334,7 @@ def _serve(conn, kwargs: dict, args: argparse.Namespace) -> None:
     while (command := conn.recv()) is not None:
         workload, c, request = command
         prompts = workloads[workload]
-        n = _num_requests(workload, c, args)
+        n = _num_requests(len(prompts), c, args)
         batch = (prompts * (1 + n // len(prompts)))[:n]
         params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=length,
                                  ignore_eos=True, seed=0 if args.temperature else None)
