@@ -149,7 +149,7 @@ void tail(const Args& p, int m0, int rows, int n0, const float* next = nullptr) 
 // ran, and in quarters over a whole model's weights 5-8 rows took 11-21% less time (Zen 4).
 // It asks for the strip after next (the next was asked for by the strip before; a thread's
 // first strips are the hardware prefetcher's): the memory's latency is then hidden by two
-// strips' work instead of one's, and 5-8 and 12 rows took 4-7% less time again, 9 rows 1-4%
+// strips' work instead of one's, and 5-8 and 12 rows took 4-8% less time again, 9 rows 1-4%
 // (kernel_ab.py dense_gemm --base 14657f8, Zen 4, same bits; three strips ahead: the same).
 // With 9-16 rows, the rows past the first 8 follow in a second tile over the strip, now in L1.
 template <int MR, int NR>
