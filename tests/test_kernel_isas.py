@@ -173,7 +173,7 @@ def test_the_plan_says_where_each_op_runs():
                              "attention, norm and SiLU, recurrent decode, tensor-parallel all-reduce")
 
 
-KERNELS = ["int8_gemm", "block_gemm", "dense_gemm", "fused_ops", "paged_attention", "ssm_decode", "shm_all_reduce", "call_list"]
+KERNELS = ["int8_gemm", "block_gemm", "dense_gemm", "fused_ops", "paged_attention", "ssm_decode", "shm_all_reduce", "call_list", "decode_chain"]
 
 
 def test_every_kernel_is_built_for_every_isa():

@@ -167,6 +167,16 @@ class CpuPagedBackend(AttentionBackend):
         size, sinks = (meta.window.size, meta.window.sinks) if meta.window else (0, 0)
         return values | {_PAGE_SIZE.name: meta.page_size, _WINDOW[0].name: size, _WINDOW[1].name: sinks}
 
+    @staticmethod
+    def token_strides(meta: PagedMeta, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, int]:
+        """Bytes from one token's row to the next of each per-token input of ``call_values``: a
+        step prepared for T tokens runs as T one-token passes by moving these slots on by their
+        stride after each pass (``spec/draft_chain.py``)."""
+        tensors = (cos, sin, meta.slots, None, meta.page_offset, meta.context, meta.tree_start,
+                   meta.tree_bits, meta.sink_cos, meta.sink_sin, meta.page_skip)
+        return {slot.name: t.stride(0) * t.element_size()
+                for slot, t in zip(_META_SLOTS, tensors) if t is not None}
+
     def forward(self, meta: PagedMeta, qkv, cos, sin, k_cache, v_cache, windowed=False):
         T, (H, KVH, hd) = qkv.shape[0], (self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim)
         dtype = qkv.dtype

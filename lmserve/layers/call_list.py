@@ -73,6 +73,14 @@ class CallList:
     def run(self, values: dict[str, int]) -> None:
         """Run every call with each slot set to ``values[name]``. The caller keeps the buffers
         whose addresses it passes alive until this returns."""
-        given = torch.tensor([0] + [values[name] for name in self.names], dtype=torch.int64)
-        calls = torch.where(self.slots > 0, given[self.slots], self.fixed)
+        calls = self.filled(values)
         self.lib.lm_run_calls(calls.data_ptr(), calls.shape[0], calls.shape[1])
+
+    def filled(self, values: dict[str, int]) -> torch.Tensor:
+        """The calls ``(n, stride)`` with each slot set to ``values[name]``."""
+        given = torch.tensor([0] + [values[name] for name in self.names], dtype=torch.int64)
+        return torch.where(self.slots > 0, given[self.slots], self.fixed)
+
+    def words_of(self, name: str) -> torch.Tensor:
+        """The flat indices into ``filled``'s calls of the words that take slot ``name``."""
+        return (self.slots.flatten() == self.names.index(name) + 1).nonzero().flatten()

@@ -236,11 +236,17 @@ class LlamaModel:
         if not (isinstance(ops, FusedOps) and isinstance(backend, CpuPagedBackend) and call_lists_available()
                 and all(m.packable(dtype) for m, dtype in linears)):
             return None
-        calls = [call for i, layer in enumerate(self.layers)
-                 for call in layer.packed_calls(backend, ops, kv.k[i], kv.v[i], first=i == 0,
-                                                windowed=bool(windowed) and windowed[i], sinks=sinks,
-                                                all_reduce=all_reduce)]
-        return LayerCalls(CallList(calls), self.layers[0].buffers(sinks))
+        return LayerCalls(CallList(self.packed_layer_calls(backend, ops, kv, windowed, sinks, all_reduce)),
+                          self.layers[0].buffers(sinks))
+
+    def packed_layer_calls(self, backend: CpuPagedBackend, ops: FusedOps, kv: KVCache,
+                           windowed: tuple[bool, ...] = (), sinks: bool = False,
+                           all_reduce=None) -> list[list[Arg]]:
+        """Every layer's ``packed_calls`` in order (where ``layer_calls`` gives a ``LayerCalls``)."""
+        return [call for i, layer in enumerate(self.layers)
+                for call in layer.packed_calls(backend, ops, kv.k[i], kv.v[i], first=i == 0,
+                                               windowed=bool(windowed) and windowed[i], sinks=sinks,
+                                               all_reduce=all_reduce)]
 
     def rotary(self, max_positions: int, device: torch.device) -> RotaryEmbedding:
         a = self.args

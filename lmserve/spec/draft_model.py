@@ -37,6 +37,7 @@ from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.spec.coupled import coupled_tokens, lead_with, plain_greedy
+from lmserve.spec.draft_chain import DraftChain
 from lmserve.spec.tree import DraftTree
 from lmserve.step import SeqStep, StepInput
 
@@ -78,6 +79,10 @@ class DraftModelDrafter:
         self.keep_up = keep_up
         self.eos_token_ids = eos_token_ids
         self.drafting = True  # whether the latest decode step drafted (see the module's doc)
+        # One greedy sequence's chain runs in one C++ call where the draft's passes are all
+        # kernels (spec/draft_chain.py); else, and for sampling requests, tree widths and
+        # batches, pass by pass from here.
+        self.chain = DraftChain.build(runner) if width == 1 else None
 
     def offer(self, seq: Sequence, cap: int) -> int:
         return cap
@@ -108,6 +113,13 @@ class DraftModelDrafter:
                       and not self._ends(c.seq, levels[c][-1][0])]
             if not deeper:
                 break
+            if self.chain is not None and len(deeper) == 1 and plain_greedy(deeper[0].seq.request.params):
+                c = deeper[0]
+                drafts = self.chain.run(levels[c][-1][0], c.seq.num_draft_computed, list(c.seq.pages),
+                                        depths[c] - depth, self._stop_ids(c.seq), TIE_MARGIN)
+                c.seq.num_draft_computed += len(drafts)
+                levels[c] += [[token] for token in drafts]
+                break
             steps = [SeqStep(start=c.seq.num_draft_computed, token_ids=[levels[c][-1][0]],
                              page_table=list(c.seq.pages), num_logits=1) for c in deeper]
             rows = [(c.seq, [candidates[0] for candidates in levels[c]]) for c in deeper]
@@ -123,8 +135,12 @@ class DraftModelDrafter:
         """Whether a drafted ``token`` leaves nothing after it to draft: it ends ``seq`` when
         accepted (the output processor's rules, before stop strings), and before ``min_tokens``
         the sampler bans it, so it is rejected."""
+        return token in self._stop_ids(seq)
+
+    def _stop_ids(self, seq: Sequence) -> list[int]:
+        """The token ids that end ``seq``'s chain (``_ends``)."""
         p = seq.request.params
-        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        return [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
 
     def _catch_up(self, ends: dict[ScheduledChunk, int],
                   drafting: set[ScheduledChunk]) -> dict[ScheduledChunk, tuple[list[int], bool]]:

@@ -1,0 +1,120 @@
+"""A draft model's greedy drafts for one sequence, pass after pass, in one C++ call.
+
+A draft pass of one token is a few milliseconds of kernels (the built-in model at O3: the layers
+2.7 ms, the head 0.9) and, run from Python, half a millisecond more: building the step's
+tensors, the call list's arguments, a torch ``topk`` over the vocabulary, all with caches the
+weights just swept. A ``DraftChain`` prepares the step's metadata once for every pass of the
+chain, as for one step of all its tokens, and runs ``kernels/decode_chain.cpp``: per pass the
+token's embedding, the layers' call list, the final norm, the head and a greedy pick that feeds
+the next pass, stopping after a draft that ends the chain (a near tie, a stop token), as
+``DraftModelDrafter``'s pass-by-pass loop does. The same kernels on the same inputs: the same
+drafts (tests/test_draft_chain.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from lmserve.attention.base import AttentionInput
+from lmserve.attention.cpu_paged import CpuPagedBackend
+from lmserve.kernels.build import load_kernel_library
+from lmserve.layers.call_list import THREADS, CallList, Slot, address, float_word
+from lmserve.layers.fused import FusedOps
+from lmserve.models.llama import LlamaModel
+from lmserve.runner import ModelRunner
+
+# The chain's own slots, beside the layers' (the buffers, "x", "tokens", the attention's).
+_TOKEN, _NEXT, _LEAD, _STOP = Slot("chain.token"), Slot("chain.next"), Slot("chain.lead"), Slot("chain.stop")
+_STOP_IDS, _NUM_STOP_IDS, _MARGIN = Slot("chain.stop_ids"), Slot("chain.num_stop_ids"), Slot("chain.margin")
+_HIDDEN, _LOGITS = Slot("chain.hidden"), Slot("chain.logits")
+
+
+def _library() -> Optional[ctypes.CDLL]:
+    lib = load_kernel_library("decode_chain", {
+        "lm_run_call_passes": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]})
+    if lib is not None:
+        lib.lm_run_call_passes.restype = ctypes.c_int
+    return lib
+
+
+class DraftChain:
+    """``run`` drafts greedily for one sequence from a draft model's runner."""
+
+    @staticmethod
+    def build(runner: ModelRunner) -> Optional[DraftChain]:
+        """A chain over ``runner``'s model, or None where a pass is not all C++ kernels (see
+        ``LlamaModel.layer_calls``), or has more than a plain decoder's (a sliding window,
+        recurrent state, parallel ranks, inner features kept for other drafters)."""
+        if not isinstance(runner, ModelRunner):
+            return None
+        model = runner.model
+        plain = (runner.layer_calls is not None and runner.window is None and runner.states is None
+                 and runner.all_reduce is None and runner.feature_layers is None)
+        if not (plain and isinstance(model, LlamaModel) and model.first and model.last
+                and model.lm_head is not None and model.lm_head.packable(model.dtype)
+                and getattr(model, "embed", None) is not None
+                and model.embed.dtype in (torch.float32, torch.bfloat16)):
+            return None
+        lib = _library()
+        return None if lib is None else DraftChain(runner, lib)
+
+    def __init__(self, runner: ModelRunner, lib: ctypes.CDLL) -> None:
+        self.runner, self.lib = runner, lib
+        model, ops, backend = runner.model, runner.ops, runner.backend
+        assert isinstance(ops, FusedOps) and isinstance(backend, CpuPagedBackend)
+        self.buffers = {name: torch.empty(1, width, dtype=dtype)
+                        for name, (width, dtype) in runner.layer_calls.buffers.items()}
+        self.x = torch.empty(1, model.args.hidden_size)
+        self.hidden = torch.empty(1, model.args.hidden_size, dtype=model.dtype)
+        self.logits = torch.empty(1, model.lm_head.n, dtype=model.dtype)  # (the head's output dtype)
+        tokens = Slot("tokens")
+        embed = model.embed
+        calls = [
+            [address(lib.lm_embed_row_packed), embed.data_ptr(), int(embed.dtype == torch.bfloat16),
+             embed.shape[1], _TOKEN, Slot("x")],
+            *model.packed_layer_calls(backend, ops, runner.kv),
+            ops.packed_add_rms_norm(Slot("x"), Slot("down"), self.buffers["down"].dtype, model.norm,
+                                    model.args.rms_norm_eps, _HIDDEN, model.dtype, tokens),
+            model.lm_head.packed_call(_HIDDEN, model.dtype, _LOGITS, tokens),
+            [address(lib.lm_greedy_pick_packed), _LOGITS, int(model.dtype == torch.bfloat16),
+             model.lm_head.n, _MARGIN, _STOP_IDS, _NUM_STOP_IDS, _NEXT, _LEAD, _STOP],
+        ]
+        self.calls = CallList(calls)
+        self.words = {name: self.calls.words_of(name) for name in self.calls.names}
+
+    def run(self, token: int, start: int, page_table: list[int], passes: int,
+            stop_ids: list[int], margin: float) -> list[int]:
+        """Up to ``passes`` greedy drafts after ``token`` at position ``start`` (its KV and the
+        drafts' but the last are written in the pages of ``page_table``); it stops after a draft
+        that leads the next best by less than ``margin`` or is one of ``stop_ids``."""
+        runner = self.runner
+        meta = runner.backend.prepare(AttentionInput(query_lens=[passes], context_lens=[start + passes],
+                                                     page_tables=[page_table]),
+                                      runner.kv.page_size, runner.device)
+        cos, sin = runner.rotary.lookup(torch.arange(start, start + passes))
+        cos, sin = cos.contiguous(), sin.contiguous()
+        chain = torch.zeros(passes + 1, dtype=torch.int64)  # the token, then each pass's pick
+        chain[0] = token
+        leads = torch.zeros(passes, dtype=torch.float32)
+        stop = torch.zeros(1, dtype=torch.int32)
+        stops = torch.tensor(stop_ids or [0], dtype=torch.int64)
+        values = {name: b.data_ptr() for name, b in self.buffers.items()}
+        values |= {"x": self.x.data_ptr(), "tokens": 1, THREADS.name: torch.get_num_threads(),
+                   _HIDDEN.name: self.hidden.data_ptr(), _LOGITS.name: self.logits.data_ptr(),
+                   _TOKEN.name: chain.data_ptr(), _NEXT.name: chain.data_ptr() + 8,
+                   _LEAD.name: leads.data_ptr(), _STOP.name: stop.data_ptr(),
+                   _STOP_IDS.name: stops.data_ptr(), _NUM_STOP_IDS.name: len(stop_ids),
+                   _MARGIN.name: float_word(margin)}
+        values |= runner.backend.call_values(meta, cos, sin)
+        strides = runner.backend.token_strides(meta, cos, sin) | {_TOKEN.name: 8, _NEXT.name: 8, _LEAD.name: 4}
+        moving = {name: self.words[name] for name in strides if name in self.words}
+        words = torch.cat(list(moving.values()))  # each word of a per-token slot: moved a pass on
+        steps = torch.cat([torch.full_like(w, strides[name]) for name, w in moving.items()])
+        calls = self.calls.filled(values)
+        done = self.lib.lm_run_call_passes(calls.data_ptr(), calls.shape[0], calls.shape[1], passes,
+                                           words.data_ptr(), steps.data_ptr(), len(words), stop.data_ptr())
+        return chain[1 : done + 1].tolist()

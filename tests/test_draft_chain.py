@@ -1,0 +1,80 @@
+"""A draft model's chain of greedy drafts in one C++ call (spec/draft_chain.py) against the same
+drafts pass by pass through the runner: the same tokens, the same stopping, the same KV bits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmserve import Engine
+from lmserve.models.builtin import builtin_model_path
+from lmserve.spec.draft_chain import DraftChain
+from lmserve.step import SeqStep, StepInput
+
+PASSES = 12
+
+
+@pytest.fixture(scope="module", params=["O3", "O1", "O0"])
+def draft(request):
+    """An engine drafting with the built-in model at a level (idle: the test drives its draft
+    runner directly), its chain, and a prompt."""
+    engine = Engine(opt=f"O3;draft_opt={request.param}", verbose=False, max_num_sequence=1,
+                    speculative_mode="small_draft", additional_models=[builtin_model_path()],
+                    spec_draft_length=4)
+    chain = DraftChain.build(engine._core.draft_runner)
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three rivers of Europe and the seas they flow into."}])
+    yield engine._core.draft_runner, chain, prompt
+    engine.shutdown()
+
+
+def _pages(runner, prompt: list[int]) -> list[int]:
+    size = runner.kv.page_size
+    return list(range(1, 1 + math.ceil((len(prompt) + PASSES) / size)))
+
+
+def _pass_by_pass(runner, prompt: list[int], pages: list[int]) -> tuple[list[int], list[float]]:
+    """The prompt into the draft's cache, then PASSES one-token steps from Python, each
+    feeding the previous step's best token: the drafts and each one's lead over the second."""
+    runner.execute(StepInput([SeqStep(start=0, token_ids=prompt[:-1], page_table=pages, num_logits=0)]))
+    token, drafts, leads = prompt[-1], [], []
+    for i in range(PASSES):
+        logits = runner.execute(StepInput([SeqStep(start=len(prompt) - 1 + i, token_ids=[token],
+                                                   page_table=pages, num_logits=1)]))
+        best = logits.topk(2, dim=-1)
+        token = best.indices[0, 0].item()
+        drafts.append(token)
+        leads.append((best.values[0, 0] - best.values[0, 1]).item())
+    return drafts, leads
+
+
+def test_the_chain_drafts_what_passes_from_python_draft_and_writes_the_same_kv(draft):
+    runner, chain, prompt = draft
+    assert chain is not None  # every level's draft pass is all kernels here
+    pages = _pages(runner, prompt)
+    drafts, leads = _pass_by_pass(runner, prompt, pages)
+    by_page = [t.view(runner.kv.num_pages, -1) for t in (*runner.kv.k, *runner.kv.v)]  # (see KVCache)
+    kv = [t[pages].clone() for t in by_page]
+    for t in by_page:
+        t[pages] = 0  # what the chain writes, only the chain wrote
+    runner.execute(StepInput([SeqStep(start=0, token_ids=prompt[:-1], page_table=pages, num_logits=0)]))
+    assert chain.run(prompt[-1], len(prompt) - 1, pages, PASSES, [], -math.inf) == drafts
+    assert all(torch.equal(t[pages], before) for t, before in zip(by_page, kv))
+    assert len(set(drafts)) > 3  # (a real continuation, not one token over and over)
+
+
+def test_the_chain_stops_after_a_near_tie_or_a_stop_token(draft):
+    runner, chain, prompt = draft
+    pages = _pages(runner, prompt)
+    drafts, leads = _pass_by_pass(runner, prompt, pages)
+    # A margin between the smallest lead and the others: the chain ends at that draft.
+    low = min(range(PASSES), key=leads.__getitem__)
+    margin = (leads[low] + min(lead for i, lead in enumerate(leads) if i != low)) / 2
+    first_low = next(i for i, lead in enumerate(leads) if lead < margin)
+    assert chain.run(prompt[-1], len(prompt) - 1, pages, PASSES, [], margin) == drafts[: first_low + 1]
+    stop = drafts[3]
+    end = drafts.index(stop) + 1
+    assert chain.run(prompt[-1], len(prompt) - 1, pages, PASSES, [99999, stop], -math.inf) == drafts[:end]
+    assert chain.run(prompt[-1], len(prompt) - 1, pages, 2, [], -math.inf) == drafts[:2]
