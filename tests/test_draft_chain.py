@@ -7,8 +7,9 @@ import math
 
 import pytest
 import torch
+from conftest import generate_tokens, wait_idle
 
-from lmserve import Engine
+from lmserve import Engine, SamplingParams
 from lmserve.models.builtin import builtin_model_path
 from lmserve.spec.draft_chain import DraftChain
 from lmserve.step import SeqStep, StepInput
@@ -78,3 +79,24 @@ def test_the_chain_stops_after_a_near_tie_or_a_stop_token(draft):
     end = drafts.index(stop) + 1
     assert chain.run(prompt[-1], len(prompt) - 1, pages, PASSES, [99999, stop], -math.inf) == drafts[:end]
     assert chain.run(prompt[-1], len(prompt) - 1, pages, 2, [], -math.inf) == drafts[:2]
+
+
+def test_one_greedy_stream_drafts_through_the_chain_with_the_output_of_plain_decoding(builtin_engine):
+    engine = Engine(verbose=False, max_num_sequence=1, speculative_mode="small_draft",
+                    additional_models=[builtin_model_path()], spec_draft_length=6)
+    chain = engine._core.speculator.drafter.chain
+    runs, run = [], chain.run
+    chain.run = lambda *args: runs.append(run(*args)) or runs[-1]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": ask}])
+               for ask in ("What is the capital of France?", "Write a haiku about the sea.",
+                           "Explain photosynthesis in two sentences.")]
+    try:
+        assert [generate_tokens(engine, p, params) for p in prompts] == \
+            [generate_tokens(builtin_engine, p, params) for p in prompts]
+        assert max(map(len, runs)) == 5  # after the first draft (the catch-up pass's), k - 1
+        assert engine.stats().spec_num_accepted_tokens > 0
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
