@@ -7,7 +7,8 @@ goes on (the latest decode step drafted) the draft keeps step with prefill chunk
 in the same step as the target, so that a sequence's first drafts do not wait for its whole
 prompt; a drafting sequence first catches up on the tokens it has not run (steps where nothing
 was drafted, a reused prefix whose cached pages lack its KV), then drafts, one pass per draft
-position for all drafting sequences together. So where drafting does not pay and the adaptive
+position for all drafting sequences together (a greedy one drafting on alone: its remaining
+passes in one C++ call, ``spec.draft_chain``). So where drafting does not pay and the adaptive
 length stops, the draft stops costing anything, prompts included (it used to run every prompt
 beside the target: 0.72x plain decoding end to end on long prompts at the default level). Under
 a sliding window on every layer (``keep_up``) the draft keeps step with prefill chunks and every
@@ -114,11 +115,7 @@ class DraftModelDrafter:
             if not deeper:
                 break
             if self.chain is not None and len(deeper) == 1 and plain_greedy(deeper[0].seq.request.params):
-                c = deeper[0]
-                drafts = self.chain.run(levels[c][-1][0], c.seq.num_draft_computed, list(c.seq.pages),
-                                        depths[c] - depth, self._stop_ids(c.seq), TIE_MARGIN)
-                c.seq.num_draft_computed += len(drafts)
-                levels[c] += [[token] for token in drafts]
+                self._chain_on(deeper[0].seq, depths[deeper[0]] - depth, levels[deeper[0]])
                 break
             steps = [SeqStep(start=c.seq.num_draft_computed, token_ids=[levels[c][-1][0]],
                              page_table=list(c.seq.pages), num_logits=1) for c in deeper]
@@ -130,6 +127,14 @@ class DraftModelDrafter:
                     tied.add(c)
         for c, candidates in levels.items():
             c.draft = DraftTree.from_candidates(candidates, c.num_lookahead)
+
+    def _chain_on(self, seq: Sequence, passes: int, candidates: list[list[int]]) -> None:
+        """At most ``passes`` more drafts after the last of ``candidates`` (by depth), appended,
+        in one C++ call (``self.chain``)."""
+        drafts = self.chain.run(candidates[-1][0], seq.num_draft_computed, list(seq.pages), passes,
+                                self._stop_ids(seq), TIE_MARGIN)
+        seq.num_draft_computed += len(drafts)
+        candidates += [[token] for token in drafts]
 
     def _ends(self, seq: Sequence, token: int) -> bool:
         """Whether a drafted ``token`` leaves nothing after it to draft: it ends ``seq`` when
