@@ -17,6 +17,7 @@ import torch
 
 from conftest import (concurrently, generate_tokens, homogeneity_pvalue, run_concurrently,
                       sixth_token_draws, wait_idle)
+from tiny_models import make_hf_llama
 from lmserve import Engine, SamplingParams
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
@@ -682,6 +683,50 @@ def test_a_draft_model_changes_no_output_alone_in_company_or_seeded(builtin_engi
         engine.shutdown()
 
 
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("opt", ["O0", "O1", "O3", "O2;act_dtype=float32;kv_dtype=float32",
+                                 "O0;attention=torch_native"])
+def test_a_draft_model_changes_no_output_at_every_level(prompts, plain_at_level, opt, width):
+    """The built-in model drafting for itself (at the draft's default level, O3) at every target
+    level: a verify step's rows are computed as plain decoding's, so the output is the same."""
+    with _draft_engine(opt=opt, max_num_sequence=4, spec_draft_length=4, spec_tree_width=width) as spec:
+        assert run_concurrently(spec, prompts[:4], GREEDY) == plain_at_level(opt)
+        assert spec.stats().spec_num_accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def other_tiny_model_dir(tmp_path_factory) -> str:
+    """A random model with the tiny test model's vocabulary and other weights: a draft that is
+    nearly always wrong."""
+    return make_hf_llama(str(tmp_path_factory.mktemp("other") / "model"), num_layers=1, seed=11)
+
+
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("k", [1, 4, 0])
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_a_draft_model_changes_no_output_of_a_random_model(tiny_model_dir, other_tiny_model_dir,
+                                                          draft, k, width):
+    """Random test models: the target drafting for itself (at O3: right mostly) and another
+    random model drafting for it (wrong nearly always), alone and in company."""
+    rng = random.Random(k * 10 + width)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randrange(4, 40))] for _ in range(4)]
+    with Engine(model=tiny_model_dir, max_num_sequence=4, verbose=False) as plain:
+        want = run_concurrently(plain, prompts, GREEDY)
+    draft_dir = tiny_model_dir if draft == "itself" else other_tiny_model_dir
+    with Engine(model=tiny_model_dir, max_num_sequence=4, verbose=False, speculative_mode="small_draft",
+                additional_models=[draft_dir], spec_draft_length=k, spec_tree_width=width) as spec:
+        assert [generate_tokens(spec, p, GREEDY) for p in prompts] == want
+        assert run_concurrently(spec, prompts, GREEDY) == want
+        stats = spec.stats()
+        if k:  # (the adaptive length may rightly stop drafting for the wrong draft)
+            assert stats.spec_num_draft_tokens > 0
+            # (a tree's depth has `width` drafts, of which one at most is accepted)
+            share = stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens * width
+            assert share > 0.5 if draft == "itself" else share < 0.05, share
+        wait_idle(spec)
+        assert spec.kv_pages_in_use() == 0
+
+
 def test_a_sampling_requests_drafts_share_its_noise_so_its_own_model_drafts_its_samples(
         builtin_engine, prompts):
     """For a request that samples, a draft model drafts the token the target's sampler would
@@ -927,8 +972,6 @@ def test_a_draft_model_catches_up_on_a_reused_prompt_it_never_ran(builtin_engine
 
 
 def test_a_draft_model_is_refused_with_a_reason(tiny_model_dir, tmp_path):
-    from tiny_models import make_hf_llama
-
     with pytest.raises(FileNotFoundError, match=r"additional_models\[0\] \(the draft model\).*"
                                                 r"'/no/such/draft' does not exist"):
         Engine(model=tiny_model_dir, verbose=False, speculative_mode="small_draft",
