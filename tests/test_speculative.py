@@ -658,7 +658,7 @@ def _draft_engine(**kwargs) -> Engine:
 
 
 @pytest.mark.parametrize("width", [1, 3])
-@pytest.mark.parametrize("k", [3, 0])
+@pytest.mark.parametrize("k", [1, 4, 0])
 def test_a_draft_model_changes_no_output_alone_in_company_or_seeded(builtin_engine, prompts,
                                                                     reference, k, width):
     """The built-in model (O2) verifying drafts from its own weights at the draft's default
