@@ -11,7 +11,10 @@ from conftest import generate_tokens, wait_idle
 
 from lmserve import Engine, SamplingParams
 from lmserve.models.builtin import builtin_model_path
+from lmserve.request import Request, Sequence
+from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.spec.draft_chain import DraftChain
+from lmserve.spec.draft_model import DraftModelDrafter
 from lmserve.step import SeqStep, StepInput
 
 PASSES = 12
@@ -45,7 +48,7 @@ def _pass_by_pass(runner, prompt: list[int], pages: list[int]) -> tuple[list[int
         logits = runner.execute(StepInput([SeqStep(start=len(prompt) - 1 + i, token_ids=[token],
                                                    page_table=pages, num_logits=1)]))
         best = logits.topk(2, dim=-1)
-        token = best.indices[0, 0].item()
+        token = logits.argmax(dim=-1).item()  # (the first of exact ties, as the chain's pick)
         drafts.append(token)
         leads.append((best.values[0, 0] - best.values[0, 1]).item())
     return drafts, leads
@@ -70,10 +73,9 @@ def test_the_chain_stops_after_a_near_tie_or_a_stop_token(draft):
     runner, chain, prompt = draft
     pages = _pages(runner, prompt)
     drafts, leads = _pass_by_pass(runner, prompt, pages)
-    # A margin between the smallest lead and the others: the chain ends at that draft.
-    low = min(range(PASSES), key=leads.__getitem__)
-    margin = (leads[low] + min(lead for i, lead in enumerate(leads) if i != low)) / 2
-    first_low = next(i for i, lead in enumerate(leads) if lead < margin)
+    # A margin just above the smallest lead: the chain ends at its first draft with that lead.
+    first_low = leads.index(min(leads))
+    margin = math.nextafter(leads[first_low], math.inf)
     assert chain.run(prompt[-1], len(prompt) - 1, pages, PASSES, [], margin) == drafts[: first_low + 1]
     stop = drafts[3]
     end = drafts.index(stop) + 1
@@ -100,3 +102,36 @@ def test_one_greedy_stream_drafts_through_the_chain_with_the_output_of_plain_dec
         assert engine.kv_pages_in_use() == 0
     finally:
         engine.shutdown()
+
+
+def _propose(runner, chain_on: bool, prompts: list[list[int]], depths: list[int]):
+    """A drafter's drafts for decoding sequences of ``prompts`` (the draft has run none of
+    them: it catches up first), each to its depth; with its chain or pass by pass."""
+    drafter = DraftModelDrafter(runner, max_pass_tokens=512)
+    assert drafter.chain is not None
+    runs = []
+    if chain_on:
+        run = drafter.chain.run
+        drafter.chain.run = lambda *args: runs.append(run(*args)) or runs[-1]
+    else:
+        drafter.chain = None
+    chunks, first_page = [], 1
+    for name, prompt, depth in zip("abc", prompts, depths):
+        seq = Sequence(Request(name, prompt, SamplingParams(temperature=0, ignore_eos=True)), 0,
+                       list(prompt), None)
+        seq.num_computed = len(prompt) - 1
+        seq.pages = list(range(first_page, first_page + len(_pages(runner, prompt))))
+        first_page += len(seq.pages)
+        chunks.append(ScheduledChunk(seq, 1, samples=True, decode=True, num_lookahead=depth))
+    drafter.propose(Batch(chunks), dict(zip(chunks, depths)))
+    return [(c.draft.token_ids, c.seq.num_draft_computed) for c in chunks], runs
+
+
+def test_a_chain_takes_over_when_one_sequence_drafts_on_alone(draft):
+    """Three greedy sequences drafted together to depths 1, 2 and 8: once only the third goes
+    deeper, the chain drafts its rest: the same drafts and draft KV counts as pass by pass."""
+    runner, _, prompt = draft
+    prompts = [prompt, prompt[:-3] + prompt[-1:], prompt[2:]]
+    with_chain, runs = _propose(runner, True, prompts, [1, 2, 8])
+    assert runs  # (drafts after the second depth: one sequence alone)
+    assert with_chain == _propose(runner, False, prompts, [1, 2, 8])[0]

@@ -56,8 +56,9 @@ class DraftChain:
                  and runner.all_reduce is None and runner.feature_layers is None)
         if not (plain and isinstance(model, LlamaModel) and model.first and model.last
                 and model.lm_head is not None and model.lm_head.packable(model.dtype)
-                and getattr(model, "embed", None) is not None
-                and model.embed.dtype in (torch.float32, torch.bfloat16)):
+                and getattr(model, "embed", None) is not None and model.embed.is_contiguous()
+                and model.embed.dtype in (torch.float32, torch.bfloat16)
+                and model.lm_head.n <= model.embed.shape[0]):  # (every pick has an embedding)
             return None
         lib = _library()
         return None if lib is None else DraftChain(runner, lib)

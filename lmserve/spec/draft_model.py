@@ -184,6 +184,10 @@ class DraftModelDrafter:
         best = logits.topk(max(self.width, 2), dim=-1)  # (40 us more than an argmax a pass)
         tied = ((best.values[:, 0] - best.values[:, 1]) < TIE_MARGIN).tolist()
         tokens = best.indices[:, : self.width].tolist()
+        for i in (best.values[:, 0] == best.values[:, 1]).nonzero().flatten().tolist():
+            # An exact tie: the first of the best tokens, as argmax (the target's greedy choice,
+            # and DraftChain's) takes it; topk's order among equals is unspecified.
+            tokens[i] = lead_with(int(logits[i].argmax()), tokens[i])
         drawing = [i for i, (seq, _) in enumerate(rows) if not plain_greedy(seq.request.params)]
         if drawing:
             drawn, margins = coupled_tokens(logits[drawing], [rows[i] for i in drawing],
