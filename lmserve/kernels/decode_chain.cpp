@@ -1,12 +1,9 @@
 // lmserve-isa: avx512 avx2 neon
-// A chain of greedy one-token decode passes of one sequence from one call: a draft model's drafts
-// (spec/draft_chain.py). A pass is a call list (call_list.cpp's rows): the token's embedding
-// (lm_embed_row_packed), the decoder layers, the final norm, the head, and lm_greedy_pick_packed,
-// which writes the best token where the next pass's embedding reads it. Between passes the driver
-// moves the arguments that walk along the chain (the token, its cache slot, context length and
-// rotary angles: rows of a step's metadata prepared for all the passes at once) on by their
-// strides, and it stops after a pass whose pick raised the stop flag. Each pass is the same
-// kernels on the same inputs as a one-token step from Python, so the same bits.
+// The two calls a chain of greedy one-token decode passes adds to a call list around the decoder
+// layers (a draft model's drafts, spec/draft_chain.py): the token's embedding first
+// (lm_embed_row_packed), and after the final norm and the head lm_greedy_pick_packed, which
+// writes the best token where the next pass's embedding reads it and raises the stop flag that
+// call_list.cpp's lm_run_call_passes checks between passes.
 #include <stdint.h>
 #include <string.h>
 
@@ -88,22 +85,5 @@ void lm_greedy_pick_packed(const int64_t* a) {
   const int64_t* stops = (const int64_t*)a[4];
   for (int64_t i = 0; i < a[5]; ++i) stop = stop || stops[i] == token;
   if (stop) *(int32_t*)a[8] = 1;
-}
-
-// Runs the call list `calls` (n rows of `stride` words, as lm_run_calls) up to `passes` times,
-// adding strides[j] to word moving[j] (a flat index into calls) before every pass but the first;
-// returns the passes run: it stops after one that sets *stop.
-int lm_run_call_passes(int64_t* calls, int n, int stride, int passes, const int64_t* moving,
-                       const int64_t* strides, int n_moving, const int32_t* stop) {
-  for (int p = 0; p < passes; ++p) {
-    if (p)
-      for (int j = 0; j < n_moving; ++j) calls[moving[j]] += strides[j];
-    for (int i = 0; i < n; ++i) {
-      const int64_t* row = calls + (int64_t)i * stride;
-      reinterpret_cast<void (*)(const int64_t*)>(row[0])(row + 1);
-    }
-    if (*stop) return p + 1;
-  }
-  return passes;
 }
 }

@@ -43,7 +43,12 @@ def float_word(x: float) -> int:
 
 
 def _library():
-    return load_kernel_library("call_list", {"lm_run_calls": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]})
+    P, I = ctypes.c_void_p, ctypes.c_int  # noqa: E741
+    lib = load_kernel_library("call_list", {"lm_run_calls": [P, I, I],
+                                            "lm_run_call_passes": [P, I, I, I, P, P, I, P]})
+    if lib is not None:
+        lib.lm_run_call_passes.restype = I
+    return lib
 
 
 def call_lists_available() -> bool:
@@ -76,11 +81,20 @@ class CallList:
         calls = self.filled(values)
         self.lib.lm_run_calls(calls.data_ptr(), calls.shape[0], calls.shape[1])
 
+    def run_passes(self, values: dict[str, int], passes: int, strides: dict[str, int],
+                   stop: torch.Tensor) -> int:
+        """``run`` up to ``passes`` times, each slot named in ``strides`` moved on by its stride
+        (bytes) before every pass but the first; it stops after a pass that sets ``stop`` (one
+        int32) nonzero. Returns the passes run."""
+        calls = self.filled(values)
+        moving = {name: (self.slots.flatten() == self.names.index(name) + 1).nonzero().flatten()
+                  for name in strides if name in self.names}  # flat indices of their words
+        words = torch.cat(list(moving.values()))
+        steps = torch.cat([torch.full_like(w, strides[name]) for name, w in moving.items()])
+        return self.lib.lm_run_call_passes(calls.data_ptr(), calls.shape[0], calls.shape[1], passes,
+                                           words.data_ptr(), steps.data_ptr(), len(words), stop.data_ptr())
+
     def filled(self, values: dict[str, int]) -> torch.Tensor:
         """The calls ``(n, stride)`` with each slot set to ``values[name]``."""
         given = torch.tensor([0] + [values[name] for name in self.names], dtype=torch.int64)
         return torch.where(self.slots > 0, given[self.slots], self.fixed)
-
-    def words_of(self, name: str) -> torch.Tensor:
-        """The flat indices into ``filled``'s calls of the words that take slot ``name``."""
-        return (self.slots.flatten() == self.names.index(name) + 1).nonzero().flatten()

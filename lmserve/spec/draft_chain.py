@@ -4,9 +4,10 @@ A draft pass of one token is a few milliseconds of kernels (the built-in model a
 2.7 ms, the head 0.9) and, run from Python, half a millisecond more: building the step's
 tensors, the call list's arguments, a torch ``topk`` over the vocabulary, all with caches the
 weights just swept. A ``DraftChain`` prepares the step's metadata once for every pass of the
-chain, as for one step of all its tokens, and runs ``kernels/decode_chain.cpp``: per pass the
-token's embedding, the layers' call list, the final norm, the head and a greedy pick that feeds
-the next pass, stopping after a draft that ends the chain (a near tie, a stop token), as
+chain, as for one step of all its tokens, and runs one call list pass after pass
+(``CallList.run_passes``): the token's embedding and a greedy pick that feeds the next pass
+(``kernels/decode_chain.cpp``) around the layers' calls, the final norm and the head, stopping
+after a draft that ends the chain (a near tie, a stop token), as
 ``DraftModelDrafter``'s pass-by-pass loop does. The same kernels on the same inputs: the same
 drafts (tests/test_draft_chain.py).
 """
@@ -33,12 +34,7 @@ _HIDDEN, _LOGITS = Slot("chain.hidden"), Slot("chain.logits")
 
 
 def _library() -> Optional[ctypes.CDLL]:
-    lib = load_kernel_library("decode_chain", {
-        "lm_run_call_passes": [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]})
-    if lib is not None:
-        lib.lm_run_call_passes.restype = ctypes.c_int
-    return lib
+    return load_kernel_library("decode_chain", {})  # (its packed calls go by address)
 
 
 class DraftChain:
@@ -64,7 +60,7 @@ class DraftChain:
         return None if lib is None else DraftChain(runner, lib)
 
     def __init__(self, runner: ModelRunner, lib: ctypes.CDLL) -> None:
-        self.runner, self.lib = runner, lib
+        self.runner = runner
         model, ops, backend = runner.model, runner.ops, runner.backend
         assert isinstance(ops, FusedOps) and isinstance(backend, CpuPagedBackend)
         self.buffers = {name: torch.empty(1, width, dtype=dtype)
@@ -85,7 +81,6 @@ class DraftChain:
              model.lm_head.n, _MARGIN, _STOP_IDS, _NUM_STOP_IDS, _NEXT, _LEAD, _STOP],
         ]
         self.calls = CallList(calls)
-        self.words = {name: self.calls.words_of(name) for name in self.calls.names}
 
     def run(self, token: int, start: int, page_table: list[int], passes: int,
             stop_ids: list[int], margin: float) -> list[int]:
@@ -112,10 +107,5 @@ class DraftChain:
                    _MARGIN.name: float_word(margin)}
         values |= runner.backend.call_values(meta, cos, sin)
         strides = runner.backend.token_strides(meta, cos, sin) | {_TOKEN.name: 8, _NEXT.name: 8, _LEAD.name: 4}
-        moving = {name: self.words[name] for name in strides if name in self.words}
-        words = torch.cat(list(moving.values()))  # each word of a per-token slot: moved a pass on
-        steps = torch.cat([torch.full_like(w, strides[name]) for name, w in moving.items()])
-        calls = self.calls.filled(values)
-        done = self.lib.lm_run_call_passes(calls.data_ptr(), calls.shape[0], calls.shape[1], passes,
-                                           words.data_ptr(), steps.data_ptr(), len(words), stop.data_ptr())
+        done = self.calls.run_passes(values, passes, strides, stop)
         return chain[1 : done + 1].tolist()
