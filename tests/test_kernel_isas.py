@@ -199,22 +199,29 @@ def test_greedy_output_is_batch_invariant_on_the_other_isas():
 
 
 PORTABLE_KERNELS = ["int8_gemm", "block_gemm", "dense_gemm", "fused_ops"]
-# Every build of tests/native/isa_harness.cpp: (name, compiler, flags, how to run it). The x86
-# ones take the kernels' own flags; the Arm builds are cross-compiled with Debian's aarch64
-# toolchain and run under qemu-user (`-cpu max` has the i8mm extension the second one uses).
+_AVX512 = next(isa for isa in ALL_ISAS if isa.name == "avx512")
+# Every build of a harness in tests/native: (name, the ISA the CPU must run, compiler, flags, how
+# to run it). The x86 ones take the kernels' own flags; "amx emulated" is the AMX build with the
+# tile instructions in software (native/amx_emulator.h), so its tile paths run on any AVX-512 CPU;
+# the Arm builds are cross-compiled with Debian's aarch64 toolchain and run under qemu-user
+# (`-cpu max` has the i8mm extension the second one uses).
 HARNESS_BUILDS = [
-    *[(isa.name, "g++", list(isa.flags), []) for isa in ALL_ISAS if isa.machine == "x86_64"],
-    ("neon dotprod", "aarch64-linux-gnu-g++", ["-march=armv8.2-a+dotprod"],
+    *[(isa.name, "avx512" if isa.name == "amx" else isa.name, "g++", list(isa.flags), [])
+      for isa in ALL_ISAS if isa.machine == "x86_64"],
+    ("amx emulated", "avx512", "g++",
+     [*_AVX512.flags, "-DLM_AMX=1", "-DLM_AMX_EMULATED=1", "-I", os.path.join(HERE, "native")], []),
+    ("neon dotprod", None, "aarch64-linux-gnu-g++", ["-march=armv8.2-a+dotprod"],
      ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"]),
-    ("neon i8mm", "aarch64-linux-gnu-g++", ["-march=armv8.2-a+dotprod+i8mm"],
+    ("neon i8mm", None, "aarch64-linux-gnu-g++", ["-march=armv8.2-a+dotprod+i8mm"],
      ["qemu-aarch64", "-cpu", "max", "-L", "/usr/aarch64-linux-gnu"]),
 ]
 
 
-def run_harness(harness: str, kernels: list[str], tmp_path) -> dict[str, subprocess.CompletedProcess]:
+def run_harness(harness: str, kernels: list[str], tmp_path, tile_builds: bool = False
+                ) -> dict[str, subprocess.CompletedProcess]:
     """tests/native/``harness``.cpp with ``kernels`` built and run for every ISA this machine
-    can run (x86 ones this CPU has, and AMX's on any AVX-512 CPU; the Arm ones under qemu-user),
-    each run's result by build."""
+    can run (x86 ones this CPU has, AMX's on any AVX-512 CPU, and with ``tile_builds`` its
+    emulated tiles too; the Arm ones under qemu-user), each run's result by build."""
     tools = ["aarch64-linux-gnu-g++", "qemu-aarch64"]
     missing = [t for t in tools if shutil.which(t) is None]
     if missing and not os.environ.get("CI"):
@@ -223,9 +230,9 @@ def run_harness(harness: str, kernels: list[str], tmp_path) -> dict[str, subproc
     sources = [os.path.join(HERE, "native", f"{harness}.cpp")] + [
         os.path.join(HERE, "..", "lmserve", "kernels", f"{k}.cpp") for k in kernels]
     runs = {}
-    for name, compiler, flags, runner in HARNESS_BUILDS:
-        if compiler == "g++" and name not in ISAS and not (name == "amx" and "avx512" in ISAS):
-            continue  # an x86 ISA this CPU lacks
+    for name, needs, compiler, flags, runner in HARNESS_BUILDS:
+        if (needs is not None and needs not in ISAS) or (name.startswith("amx") and not tile_builds):
+            continue  # an x86 ISA this CPU lacks, or tiles the kernels don't use
         binary = str(tmp_path / f"{harness}-{name.replace(' ', '_')}")
         subprocess.run([compiler, "-O2", "-fopenmp", "-std=c++17", *flags, *sources, "-o", binary],
                        check=True, capture_output=True, timeout=600)
@@ -242,10 +249,12 @@ def test_every_build_matches_a_scalar_reference_and_each_others_bits(tmp_path):
     matmul: 1e-5 with bf16 activations, 2e-4 with float32 ones; float32 matmul 1e-6; norm 1e-5;
     SiLU 1e-6), and all
     with the same bits. The AMX build multiplies on tiles where the CPU has them, and runs on
-    any AVX-512 CPU: without tiles it takes its vector path."""
-    runs = run_harness("isa_harness", PORTABLE_KERNELS, tmp_path)
+    any AVX-512 CPU: without tiles it takes its vector path; the emulated tiles' build runs its
+    tile path everywhere."""
+    runs = run_harness("isa_harness", PORTABLE_KERNELS, tmp_path, tile_builds=True)
+    assert "amx emulated" in runs or "avx512" not in ISAS
     for name, run in runs.items():
-        tiles = name == "amx" and "amx_tile" in cpu_flags() and tile_state_granted()
+        tiles = name == "amx emulated" or (name == "amx" and "amx_tile" in cpu_flags() and tile_state_granted())
         assert f"int8_gemm tiles: {'on' if tiles else 'off'}" in run.stderr.decode(), name
     assert len({run.stdout for run in runs.values()}) == 1, {name: len(r.stdout) for name, r in runs.items()}
 

@@ -6,9 +6,16 @@
 // ARCH_REQ_XCOMP_PERM for XTILEDATA); a tile instruction before that faults, which is how
 // llama.cpp's AMX build crashes at `ldtilecfg` on some VMs. amx_ready() asks once per process
 // and a kernel takes its vector path when refused.
+//
+// LM_AMX_EMULATED (tests/native/amx_emulator.h on the include path) replaces the tile
+// instructions with software ones, so that tests run the tile paths on CPUs without tiles.
 #pragma once
 #if LM_AMX
+#if LM_AMX_EMULATED
+#include "amx_emulator.h"
+#else
 #include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -20,8 +27,12 @@ constexpr long kArchReqXcompPerm = 0x1023;
 constexpr long kXfeatureXtiledata = 18;
 
 inline bool amx_ready() {
+#if LM_AMX_EMULATED
+  return true;
+#else
   static const bool ready = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return ready;
+#endif
 }
 
 struct TileShape {
