@@ -72,6 +72,9 @@ class OptFlags:
     # DEFAULT_DRAFT_OPT. A full-precision target verifying its own quantized weights is a real
     # use: the exact reference output at nearly the quantized speed.
     draft_opt: Optional[str] = None
+    # A lone greedy sequence decodes several tokens a step, in one C++ call (engine/multi_step.py);
+    # 0: a token a step.
+    multi_step: bool = True
 
     def mlp_act_dtypes(self) -> tuple[ActDtype, ActDtype]:
         """The activations asked for into the MLP's gate/up and its down projection."""
@@ -119,6 +122,7 @@ _KNOB_VALUES: dict[str, dict[str, Any]] = {
     "gate_up_act_dtype": _ACT_ALIASES,
     "attention": {a: a for a in get_args(AttentionKernel)},
     "compile": {"0": False, "1": True, "false": False, "true": True},
+    "multi_step": {"0": False, "1": True, "false": False, "true": True},
     "draft_opt": {level.lower(): level for level in OPT_LEVELS},
 }
 

@@ -22,6 +22,7 @@ from lmserve.attention.window import AttentionWindow
 from lmserve.cache.kv import KV_DTYPES, kv_bytes_per_head
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.layers.linear import FLOAT_DTYPES
+from lmserve.engine.multi_step import MAX_RUN, RUN_SECONDS
 from lmserve.kernels.build import describe_kernels
 from lmserve.models.args import ModelArgs
 from lmserve.parallel.shard import check_shardable, shard_args
@@ -99,6 +100,7 @@ class EnginePlan:
     attention: str  # attention backend
     compile: bool  # the layers' torch ops compiled (opt compile=1)
     speculative: str  # the drafter and draft tokens per sequence and step, or "off"
+    multi_step: str  # when one stream takes several tokens a step (engine/multi_step.py), or "off"
     draft_kv_dtype: Optional[str]  # the draft model's KV cache (same pages), None without one
     window: Optional[AttentionWindow]  # sliding-window attention of window_layers, or None
     window_layers: Optional[tuple[int, ...]]  # the windowed layers; None: every layer
@@ -271,8 +273,19 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
                       opt.weight_dtype, kv_dtypes[0], opt.act_dtype,
                       down_act, gate_up_act, opt.attention, opt.compile,
-                      _speculative(config, models), kv_dtypes[1] if draft_args else None,
+                      _speculative(config, models), _multi_step(config, opt),
+                      kv_dtypes[1] if draft_args else None,
                       window, window_layers, held, state, memory, layers_of_stages)
+
+
+def _multi_step(config: EngineConfig, opt: OptFlags) -> str:
+    """The plan's line on multi-step decoding."""
+    if config.speculative_mode != "disable":
+        return "off (speculation decides a step's tokens)"
+    if not opt.multi_step:
+        return "off (opt multi_step=0)"
+    return (f"a greedy stream alone: up to {MAX_RUN} tokens a step, about {RUN_SECONDS * 1000:.0f} ms "
+            f"of them, where its pass is all C++ kernels")
 
 
 def resolve_window(size: Optional[int], sinks: Optional[int], args: ModelArgs

@@ -91,6 +91,9 @@ class Batch:
     # The adaptive draft length's choice for the step, which it measures the step by
     # (``Speculator``); None where it chose nothing.
     draft_choice: Optional[DraftChoice] = None
+    # A multi-step run's new tokens (its one chunk's; ``engine.multi_step``), known when it ran:
+    # nothing to sample.
+    tokens: Optional[list[int]] = None
 
     def step_input(self) -> StepInput:
         """The step as the runner sees it: plain data, one ``SeqStep`` per chunk."""

@@ -203,10 +203,12 @@ def test_default_opt_is_level_o2():
     assert parse_opt(None) == parse_opt("") == parse_opt("O2") == OPT_LEVELS["O2"]
 
 
-def _flags(weights, kv, attention="cpu_paged", compile=False, act=None, mlp=None, gate_up=None):
+def _flags(weights, kv, attention="cpu_paged", compile=False, act=None, mlp=None, gate_up=None,
+           multi_step=True):
     act = act or {"native": "int16", "float32": "float32"}.get(weights, "bfloat16")
     return OptFlags(weight_dtype=weights, kv_dtype=kv, act_dtype=act, mlp_act_dtype=mlp,
-                    gate_up_act_dtype=gate_up, attention=attention, compile=compile)
+                    gate_up_act_dtype=gate_up, attention=attention, compile=compile,
+                    multi_step=multi_step)
 
 
 _O2 = {"gate_up": "int8"}  # O2's one digit into gate/up
@@ -249,6 +251,7 @@ def test_levels(level, expected):
         ("O2;act_dtype=bf16", _flags("native", "bfloat16", act="bfloat16")),
         ("O3;mlp_act_dtype=int16", _flags("native", "int8", act="int8", mlp="int16")),
         ("O3;kv_dtype=bf16", _flags("native", "bfloat16", act="int8")),
+        ("O2;multi_step=0", _flags("native", "bfloat16", multi_step=False, **_O2)),
     ],
 )
 def test_knobs_adjust_the_level(opt, expected):
@@ -260,7 +263,7 @@ def test_knobs_adjust_the_level(opt, expected):
     [
         ("O7", ["'O7'", "O0, O1, O2, O3"]),
         ("fast=1", ["'fast'", "act_dtype, attention, compile, draft_opt, gate_up_act_dtype, kv_dtype, "
-                              "mlp_act_dtype, weight_dtype"]),
+                              "mlp_act_dtype, multi_step, weight_dtype"]),
         # one tensor type through the MLP
         ("O2;gate_up_act_dtype=bf16", ["gate_up_act_dtype=bfloat16", "the MLP's int16", "all of it or none"]),
         ("O1;gate_up_act_dtype=int8", ["gate_up_act_dtype=int8", "the MLP's bfloat16"]),

@@ -171,7 +171,7 @@ class CpuPagedBackend(AttentionBackend):
     def token_strides(meta: PagedMeta, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, int]:
         """Bytes from one token's row to the next of each per-token input of ``call_values``: a
         step prepared for T tokens runs as T one-token passes by moving these slots on by their
-        stride after each pass (``spec/draft_chain.py``)."""
+        stride after each pass (``greedy_chain.py``)."""
         tensors = (cos, sin, meta.slots, None, meta.page_offset, meta.context, meta.tree_start,
                    meta.tree_bits, meta.sink_cos, meta.sink_sin, meta.page_skip)
         return {slot.name: t.stride(0) * t.element_size()

@@ -20,6 +20,7 @@ from lmserve.cache.snapshots import StateSnapshots
 from lmserve.cache.state import StateSlots
 from lmserve.cache.state_manager import StateManager
 from lmserve.config import EngineConfig, parse_opt
+from lmserve.engine.multi_step import MultiStepDecode
 from lmserve.engine.output import OutputProcessor
 from lmserve.models.source import open_model
 from lmserve.parallel.driver import ParallelRunner
@@ -104,9 +105,14 @@ class EngineCore:
                                               frozenset(self.tokenizer.eos_token_ids))
             if self.speculator is not None:
                 self.runner.feature_layers = self.speculator.feature_layers
+            self.multi_step = None
+            if self.speculator is None and opt.multi_step:
+                self.multi_step = MultiStepDecode.build(self.runner, plan.max_single_sequence_length,
+                                                        frozenset(self.tokenizer.eos_token_ids))
+            lookahead = self.speculator.lookahead if self.speculator else (
+                self.multi_step and self._multi_step_lookahead)
             self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
-                                       config.prefill_mode,
-                                       self.speculator.lookahead if self.speculator else None,
+                                       config.prefill_mode, lookahead or None,
                                        config.pipeline_parallel_stages or 1)
             self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
             self.grammars = GrammarCompiler(self.tokenizer, self.args.vocab_size)
@@ -274,14 +280,20 @@ class EngineCore:
                 chunk.seq.request.first_scheduled_time = now
         if self.speculator is not None:
             self.speculator.propose(batch)
+        elif self.multi_step is not None and self.multi_step.run(batch):
+            return batch, lambda: None, started  # its tokens are in: nothing to sample
         return batch, self.runner.submit(batch.step_input()), started
 
-    def _finish(self, batch: Batch, logits: torch.Tensor, started: float) -> list[RequestOutput]:
-        """Sample, append and update for a batch whose logits are in."""
-        if any(c.seq.status is SeqStatus.FINISHED for c in batch.chunks):
-            batch, logits = _without_aborted(batch, logits)
-        logits = self._score_prompts(batch, logits)
-        new_tokens = self._sample(batch, logits)
+    def _finish(self, batch: Batch, logits: Optional[torch.Tensor], started: float) -> list[RequestOutput]:
+        """Sample, append and update for a batch whose logits (or a multi-step run's tokens)
+        are in."""
+        if batch.tokens is not None:
+            new_tokens = [_NewTokens(batch.chunks[0].seq, batch.tokens, None)]
+        else:
+            if any(c.seq.status is SeqStatus.FINISHED for c in batch.chunks):
+                batch, logits = _without_aborted(batch, logits)
+            logits = self._score_prompts(batch, logits)
+            new_tokens = self._sample(batch, logits)
         if self.runner.feature_layers is not None:
             self._observe(batch)
         self._move_accepted_kv(batch)
@@ -289,6 +301,8 @@ class EngineCore:
         self.scheduler.update(batch)
         if self.speculator is not None:
             self.speculator.record(batch, time.perf_counter() - started)
+        elif self.multi_step is not None:
+            self.multi_step.record(batch, time.perf_counter() - started)
         self._count(batch)
         return outputs
 
@@ -302,6 +316,12 @@ class EngineCore:
             self.group = None
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _multi_step_lookahead(self, seqs: list[Sequence], with_prefill: bool) -> list[int]:
+        """The scheduler's ``lookahead`` without speculation: a run's slots for a sequence
+        decoding alone, with nothing else running or waiting (``MultiStepDecode``)."""
+        alone = len(self.scheduler.running) == 1 and not self.scheduler.waiting
+        return self.multi_step.lookahead(seqs, alone and not with_prefill)
 
     def _say_queueing(self) -> None:
         """Say once, with the numbers, that requests wait for a batch slot: a user of the

@@ -8,7 +8,7 @@ in the same step as the target, so that a sequence's first drafts do not wait fo
 prompt; a drafting sequence first catches up on the tokens it has not run (steps where nothing
 was drafted, a reused prefix whose cached pages lack its KV), then drafts, one pass per draft
 position for all drafting sequences together (a greedy one drafting on alone: its remaining
-passes in one C++ call, ``spec.draft_chain``). So where drafting does not pay and the adaptive
+passes in one C++ call, ``lmserve.greedy_chain``). So where drafting does not pay and the adaptive
 length stops, the draft stops costing anything, prompts included (it used to run every prompt
 beside the target: 0.72x plain decoding end to end on long prompts at the default level). Under
 a sliding window on every layer (``keep_up``) the draft keeps step with prefill chunks and every
@@ -38,7 +38,7 @@ from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.spec.coupled import coupled_tokens, lead_with, plain_greedy
-from lmserve.spec.draft_chain import DraftChain
+from lmserve.greedy_chain import GreedyChain
 from lmserve.spec.tree import DraftTree
 from lmserve.step import SeqStep, StepInput
 
@@ -81,9 +81,9 @@ class DraftModelDrafter:
         self.eos_token_ids = eos_token_ids
         self.drafting = True  # whether the latest decode step drafted (see the module's doc)
         # One greedy sequence's chain runs in one C++ call where the draft's passes are all
-        # kernels (spec/draft_chain.py); else, and for sampling requests, tree widths and
+        # kernels (greedy_chain.py); else, and for sampling requests, tree widths and
         # batches, pass by pass from here.
-        self.chain = DraftChain.build(runner) if width == 1 else None
+        self.chain = GreedyChain.build(runner) if width == 1 else None
 
     def offer(self, seq: Sequence, cap: int) -> int:
         return cap
@@ -186,7 +186,7 @@ class DraftModelDrafter:
         tokens = best.indices[:, : self.width].tolist()
         for i in (best.values[:, 0] == best.values[:, 1]).nonzero().flatten().tolist():
             # An exact tie: the first of the best tokens, as argmax (the target's greedy choice,
-            # and DraftChain's) takes it; topk's order among equals is unspecified.
+            # and GreedyChain's) takes it; topk's order among equals is unspecified.
             tokens[i] = lead_with(int(logits[i].argmax()), tokens[i])
         drawing = [i for i, (seq, _) in enumerate(rows) if not plain_greedy(seq.request.params)]
         if drawing:

@@ -1,4 +1,4 @@
-"""A draft model's chain of greedy drafts in one C++ call (spec/draft_chain.py) against the same
+"""A draft model's chain of greedy drafts in one C++ call (greedy_chain.py) against the same
 drafts pass by pass through the runner: the same tokens, the same stopping, the same KV bits."""
 
 from __future__ import annotations
@@ -13,21 +13,21 @@ from lmserve import Engine, SamplingParams
 from lmserve.models.builtin import builtin_model_path
 from lmserve.request import Request, Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.spec.draft_chain import DraftChain
+from lmserve.greedy_chain import GreedyChain
 from lmserve.spec.draft_model import DraftModelDrafter
 from lmserve.step import SeqStep, StepInput
 
 PASSES = 12
 
 
-@pytest.fixture(scope="module", params=["O3", "O1", "O0"])
+@pytest.fixture(scope="module", params=["O3", "O2", "O1", "O0"])
 def draft(request):
     """An engine drafting with the built-in model at a level (idle: the test drives its draft
     runner directly), its chain, and a prompt."""
     engine = Engine(opt=f"O3;draft_opt={request.param}", verbose=False, max_num_sequence=1,
                     speculative_mode="small_draft", additional_models=[builtin_model_path()],
                     spec_draft_length=4)
-    chain = DraftChain.build(engine._core.draft_runner)
+    chain = GreedyChain.build(engine._core.draft_runner)
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name three rivers of Europe and the seas they flow into."}])
     yield engine._core.draft_runner, chain, prompt

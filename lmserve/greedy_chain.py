@@ -1,15 +1,15 @@
-"""A draft model's greedy drafts for one sequence, pass after pass, in one C++ call.
+"""One greedy sequence's next tokens, pass after pass, in one C++ call: a draft model's drafts
+(``spec.draft_model``) and a lone sequence's tokens (``engine.multi_step``).
 
-A draft pass of one token is a few milliseconds of kernels (the built-in model at O3: the layers
+A pass of one token is a few milliseconds of kernels (the built-in model at O3: the layers
 2.7 ms, the head 0.9) and, run from Python, half a millisecond more: building the step's
-tensors, the call list's arguments, a torch ``topk`` over the vocabulary, all with caches the
-weights just swept. A ``DraftChain`` prepares the step's metadata once for every pass of the
-chain, as for one step of all its tokens, and runs one call list pass after pass
+tensors, the call list's arguments, a torch ``topk`` or ``argmax`` over the vocabulary, all with
+caches the weights just swept. A ``GreedyChain`` prepares the step's metadata once for every pass
+of the chain, as for one step of all its tokens, and runs one call list pass after pass
 (``CallList.run_passes``): the token's embedding and a greedy pick that feeds the next pass
 (``kernels/decode_chain.cpp``) around the layers' calls, the final norm and the head, stopping
-after a draft that ends the chain (a near tie, a stop token), as
-``DraftModelDrafter``'s pass-by-pass loop does. The same kernels on the same inputs: the same
-drafts (tests/test_draft_chain.py).
+after a token that ends the chain (a near tie, a stop token). The same kernels on the same
+inputs: the same tokens and KV bits as passes from Python (tests/test_greedy_chain.py).
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ def _library() -> Optional[ctypes.CDLL]:
     return load_kernel_library("decode_chain", {})  # (its packed calls go by address)
 
 
-class DraftChain:
-    """``run`` drafts greedily for one sequence from a draft model's runner."""
+class GreedyChain:
+    """``run``: one sequence's greedy tokens from a runner (a draft model's, or the target's)."""
 
     @staticmethod
-    def build(runner: ModelRunner) -> Optional[DraftChain]:
+    def build(runner: ModelRunner) -> Optional[GreedyChain]:
         """A chain over ``runner``'s model, or None where a pass is not all C++ kernels (see
         ``LlamaModel.layer_calls``), or has more than a plain decoder's (a sliding window,
-        recurrent state, parallel ranks, inner features kept for other drafters)."""
+        recurrent state, parallel ranks, inner features kept for drafters)."""
         if not isinstance(runner, ModelRunner):
             return None
         model = runner.model
@@ -57,7 +57,7 @@ class DraftChain:
                 and model.lm_head.n <= model.embed.shape[0]):  # (every pick has an embedding)
             return None
         lib = _library()
-        return None if lib is None else DraftChain(runner, lib)
+        return None if lib is None else GreedyChain(runner, lib)
 
     def __init__(self, runner: ModelRunner, lib: ctypes.CDLL) -> None:
         self.runner = runner
@@ -84,9 +84,9 @@ class DraftChain:
 
     def run(self, token: int, start: int, page_table: list[int], passes: int,
             stop_ids: list[int], margin: float) -> list[int]:
-        """Up to ``passes`` greedy drafts after ``token`` at position ``start`` (its KV and the
-        drafts' but the last are written in the pages of ``page_table``); it stops after a draft
-        that leads the next best by less than ``margin`` or is one of ``stop_ids``."""
+        """Up to ``passes`` greedy tokens after ``token`` at position ``start`` (its KV and the
+        new tokens' but the last are written in the pages of ``page_table``); it stops after a
+        token that leads the next best by less than ``margin`` or is one of ``stop_ids``."""
         runner = self.runner
         meta = runner.backend.prepare(AttentionInput(query_lens=[passes], context_lens=[start + passes],
                                                      page_tables=[page_table]),
