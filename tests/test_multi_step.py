@@ -4,11 +4,16 @@ where nothing else changes its logits or waits for the engine."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from conftest import generate_tokens, run_concurrently, wait_idle
 
 import lmserve.engine.multi_step as multi_step
 from lmserve import Engine, SamplingParams
+from lmserve.models.builtin import builtin_model_path
+from lmserve.scheduler import Batch
+from lmserve.spec.adaptive import DraftChoice
 
 TEXTS = ["Name three rivers of Europe and the seas they flow into.", "Write a haiku about autumn."]
 
@@ -158,3 +163,44 @@ def test_a_run_stops_at_the_longest_sequence(long_runs):
     finally:
         on.shutdown()
         off.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["ngram", "small_draft"])
+def test_where_the_adaptive_length_decodes_plainly_a_lone_stream_runs(engines, long_runs, mode):
+    """With speculation, the steps where the adaptive draft length decodes plainly are runs;
+    drafting resumes between them (a draft model catching up on the runs' tokens), and the
+    output is plain decoding's."""
+    _, off = engines("O2")
+    extra = {"additional_models": [builtin_model_path()]} if mode == "small_draft" else {}
+    engine = Engine(verbose=False, speculative_mode=mode, spec_draft_length=0, **extra)
+    try:
+        speculator = engine._core.speculator
+        assert speculator.plain_run is not None
+        lengths = itertools.cycle([0, 0, 4])  # plain, plain, drafts: the choices, not measured
+        speculator.adaptive.choose = lambda num_seqs, behind=0: DraftChoice(num_seqs, next(lengths))
+        speculator.adaptive.observe = lambda *args, **kwargs: None
+        runs = _runs(engine)
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        for text in TEXTS:
+            assert generate_tokens(engine, _prompt(engine, text), params) == \
+                generate_tokens(off, _prompt(off, text), params)
+        # (prompt lookup drafts only where the text repeats itself)
+        assert len(runs) >= 6 and speculator.counters.num_drafts >= (4 if mode == "small_draft" else 1)
+        wait_idle(engine)
+        assert engine.kv_pages_in_use() == 0
+    finally:
+        engine.shutdown()
+
+
+def test_the_adaptive_length_times_a_run_as_plain_decoding_a_token():
+    """A run of 4 tokens in 40 ms is plain decoding (length 0, nothing drafted) at 10 ms."""
+    engine = Engine(verbose=False, speculative_mode="ngram", spec_draft_length=0)
+    try:
+        speculator, seen = engine._core.speculator, []
+        speculator.adaptive.observe = lambda *args: seen.append(args)
+        batch = Batch([], draft_choice=DraftChoice(1, 0), tokens=[5, 6, 7, 8])
+        speculator.record(batch, 0.04)
+        assert seen == [(DraftChoice(1, 0), 0.01, [(0, 0)], False)]
+        assert speculator.counters.num_drafts == 0
+    finally:
+        engine.shutdown()

@@ -105,10 +105,14 @@ class EngineCore:
                                               frozenset(self.tokenizer.eos_token_ids))
             if self.speculator is not None:
                 self.runner.feature_layers = self.speculator.feature_layers
+            # A lone greedy sequence's multi-step runs: without speculation, or where the adaptive
+            # draft length decodes plainly (not beside drafters on the target's features).
             self.multi_step = None
-            if self.speculator is None and opt.multi_step:
+            if opt.multi_step and (self.speculator is None or self.speculator.adaptive is not None):
                 self.multi_step = MultiStepDecode.build(self.runner, plan.max_single_sequence_length,
                                                         frozenset(self.tokenizer.eos_token_ids))
+            if self.speculator is not None and self.multi_step is not None:
+                self.speculator.plain_run = self._multi_step_lookahead
             lookahead = self.speculator.lookahead if self.speculator else (
                 self.multi_step and self._multi_step_lookahead)
             self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
@@ -280,7 +284,7 @@ class EngineCore:
                 chunk.seq.request.first_scheduled_time = now
         if self.speculator is not None:
             self.speculator.propose(batch)
-        elif self.multi_step is not None and self.multi_step.run(batch):
+        if self.multi_step is not None and self.multi_step.run(batch):
             return batch, lambda: None, started  # its tokens are in: nothing to sample
         return batch, self.runner.submit(batch.step_input()), started
 
@@ -299,10 +303,11 @@ class EngineCore:
         self._move_accepted_kv(batch)
         outputs = self._append(new_tokens)
         self.scheduler.update(batch)
+        seconds = time.perf_counter() - started
         if self.speculator is not None:
-            self.speculator.record(batch, time.perf_counter() - started)
-        elif self.multi_step is not None:
-            self.multi_step.record(batch, time.perf_counter() - started)
+            self.speculator.record(batch, seconds)
+        if self.multi_step is not None:
+            self.multi_step.record(batch, seconds)
         self._count(batch)
         return outputs
 

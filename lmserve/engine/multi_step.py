@@ -47,11 +47,13 @@ class MultiStepDecode:
         self.chain = chain
         self.max_sequence_length = max_sequence_length
         self.eos_token_ids = eos_token_ids
-        self.seconds_per_token: Optional[float] = None  # the last lone decode step's
+        self.seconds_per_token: Optional[float] = None  # the last lone plain step's or run's
+        self._granted: Optional[Sequence] = None  # the sequence given a run's slots this step
 
     def lookahead(self, seqs: list[Sequence], alone: bool) -> list[int]:
         """Slots past each decoding sequence's token: a run's for a lone one that can take one
         (``alone``: nothing else is running or waiting), else none."""
+        self._granted = None
         if not (alone and len(seqs) == 1 and self.seconds_per_token and self._plain(seqs[0])):
             return [0] * len(seqs)
         seq = seqs[0]
@@ -60,14 +62,17 @@ class MultiStepDecode:
         max_tokens = seq.request.params.max_tokens
         if max_tokens is not None:
             run = min(run, max_tokens - seq.num_output_tokens)
+        if run > 1:
+            self._granted = seq
         return [max(0, run - 1)]
 
     def run(self, batch: Batch) -> bool:
         """Run the batch's lone chunk as a chain if it was given slots for one: its tokens in
         ``batch.tokens``, all but the last as its accepted drafts. False: a plain step."""
-        if len(batch.chunks) != 1 or not batch.chunks[0].num_lookahead:
-            return False
-        c = batch.chunks[0]
+        c = batch.chunks[0] if len(batch.chunks) == 1 else None
+        granted, self._granted = self._granted, None
+        if c is None or c.seq is not granted or not c.num_lookahead or len(c.draft):
+            return False  # (slots granted for drafts, or none granted)
         seq, params = c.seq, c.seq.request.params
         stops = [*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)]
         tokens = self.chain.run(seq.token_ids[-1], seq.num_computed, list(seq.pages),
@@ -78,9 +83,11 @@ class MultiStepDecode:
         return True
 
     def record(self, batch: Batch, seconds: float) -> None:
-        """Time a step: a lone decoding chunk's sizes the next runs."""
-        if len(batch.chunks) == 1 and batch.chunks[0].decode:
-            self.seconds_per_token = seconds / (1 + batch.chunks[0].num_accepted)
+        """Time a step: a run's, or a lone decoding chunk's without drafts, sizes the next runs."""
+        if batch.tokens is not None:
+            self.seconds_per_token = seconds / len(batch.tokens)
+        elif len(batch.chunks) == 1 and batch.chunks[0].decode and not batch.chunks[0].draft:
+            self.seconds_per_token = seconds
 
     @staticmethod
     def _plain(seq: Sequence) -> bool:

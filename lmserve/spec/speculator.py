@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from lmserve.config import EngineConfig
 from lmserve.models.args import ModelArgs
@@ -102,6 +102,9 @@ class Speculator:
         self._asked: dict[Sequence, int] = {}
         self._allowed: dict[Sequence, int] = {}
         self._choice: Optional[DraftChoice] = None
+        # Where the adaptive length decodes plainly, a lone sequence's multi-step run: its
+        # slots (``MultiStepDecode.lookahead``, set by the engine), or None.
+        self.plain_run: Optional[Callable[[list[Sequence], bool], list[int]]] = None
 
     def lookahead(self, seqs: list[Sequence], with_prefill: bool = False) -> list[int]:
         """Draft slots (tree nodes) for this step's decoding sequences: the drafter's nodes as
@@ -122,7 +125,7 @@ class Speculator:
                                                 sum(map(self.drafter.behind, seqs)))
             k = self._choice.length
             if k == 0:
-                return [0] * len(seqs)
+                return self.plain_run(seqs, with_prefill) if self.plain_run else [0] * len(seqs)
         self._allowed = {s: min(k, self._cap(s)) for s in seqs}
         depths = [self.drafter.offer(s, allowed) if (allowed := self._allowed[s]) else 0
                   for s in seqs]
@@ -138,8 +141,8 @@ class Speculator:
         """Fill the drafts of every chunk with reserved slots (a chunk may have been granted
         fewer slots than asked: when pages were short, or to fit the step's tokens), and mark
         the batch with what the adaptive length measures it by."""
-        depths = {c: min(self._depths.get(c.seq, 0), c.num_lookahead)
-                  for c in batch.chunks if c.num_lookahead}
+        depths = {c: min(self._depths[c.seq], c.num_lookahead)
+                  for c in batch.chunks if c.num_lookahead and c.seq in self._depths}
         self.drafter.propose(batch, depths)
         batch.draft_choice = self._choice
         for c in batch.chunks:
@@ -152,7 +155,12 @@ class Speculator:
         self._depths, self._asked, self._allowed, self._choice = {}, {}, {}, None
 
     def record(self, batch: Batch, seconds: float) -> None:
-        """Count a step (its chunks' ``num_accepted`` set) that took ``seconds`` in all."""
+        """Count a step (its chunks' ``num_accepted`` set) that took ``seconds`` in all. A
+        multi-step run counts as plain decoding at its time a token."""
+        if batch.tokens is not None:
+            if batch.draft_choice is not None:
+                self.adaptive.observe(batch.draft_choice, seconds / len(batch.tokens), [(0, 0)], False)
+            return
         decode_only, outcomes, drafted = True, [], False
         for chunk in batch.chunks:
             if not chunk.decode:
