@@ -273,19 +273,27 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     return EnginePlan(mode, batch, total, single, chunk, page, num_pages,
                       opt.weight_dtype, kv_dtypes[0], opt.act_dtype,
                       down_act, gate_up_act, opt.attention, opt.compile,
-                      _speculative(config, models), _multi_step(config, opt),
+                      _speculative(config, models),
+                      _multi_step(config, opt, window is not None, state is not None, tensor * stages),
                       kv_dtypes[1] if draft_args else None,
                       window, window_layers, held, state, memory, layers_of_stages)
 
 
-def _multi_step(config: EngineConfig, opt: OptFlags) -> str:
-    """The plan's line on multi-step decoding."""
-    if config.speculative_mode != "disable":
-        return "off (speculation decides a step's tokens)"
-    if not opt.multi_step:
-        return "off (opt multi_step=0)"
-    return (f"a greedy stream alone: up to {MAX_RUN} tokens a step, about {RUN_SECONDS * 1000:.0f} ms "
-            f"of them, where its pass is all C++ kernels")
+def _multi_step(config: EngineConfig, opt: OptFlags, windowed: bool, recurrent: bool,
+                ranks: int) -> str:
+    """The plan's line on multi-step decoding (engine/multi_step.py): when it runs, or why not."""
+    adaptive = config.speculative_mode in ("ngram", "small_draft") and config.spec_draft_length == 0
+    why_not = ("opt multi_step=0" if not opt.multi_step
+               else "speculation decides a step's tokens" if config.speculative_mode != "disable"
+               and not adaptive
+               else "a sliding window" if windowed else "recurrent layers" if recurrent
+               else "parallel ranks" if ranks > 1
+               else "the torch path" if opt.attention != "cpu_paged" else None)
+    if why_not is not None:
+        return f"off ({why_not})"
+    where = ", where the adaptive draft length decodes plainly" if adaptive else ""
+    return (f"a greedy stream alone{where}: up to {MAX_RUN} tokens a step, about "
+            f"{RUN_SECONDS * 1000:.0f} ms of them (with the C++ kernels)")
 
 
 def resolve_window(size: Optional[int], sinks: Optional[int], args: ModelArgs

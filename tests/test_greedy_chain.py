@@ -3,6 +3,7 @@ drafts pass by pass through the runner: the same tokens, the same stopping, the 
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import pytest
@@ -13,7 +14,8 @@ from lmserve import Engine, SamplingParams
 from lmserve.models.builtin import builtin_model_path
 from lmserve.request import Request, Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.greedy_chain import GreedyChain
+from lmserve.greedy_chain import GreedyChain, _library
+from lmserve.layers.call_list import float_word
 from lmserve.spec.draft_model import DraftModelDrafter
 from lmserve.step import SeqStep, StepInput
 
@@ -135,3 +137,43 @@ def test_a_chain_takes_over_when_one_sequence_drafts_on_alone(draft):
     with_chain, runs = _propose(runner, True, prompts, [1, 2, 8])
     assert runs  # (drafts after the second depth: one sequence alone)
     assert with_chain == _propose(runner, False, prompts, [1, 2, 8])[0]
+
+
+def _pick(row: torch.Tensor, margin: float = -math.inf, stops: tuple[int, ...] = ()) -> tuple[int, float, bool]:
+    """The chain's greedy pick of one row of logits: (token, lead over the second, stop)."""
+    token, lead, stop = torch.zeros(1, dtype=torch.int64), torch.zeros(1), torch.zeros(1, dtype=torch.int32)
+    ids = torch.tensor(list(stops) or [0], dtype=torch.int64)
+    words = torch.tensor([row.data_ptr(), int(row.dtype == torch.bfloat16), len(row), float_word(margin),
+                          ids.data_ptr(), len(stops), token.data_ptr(), lead.data_ptr(), stop.data_ptr()],
+                         dtype=torch.int64)
+    _library().lm_greedy_pick_packed(ctypes.c_void_p(words.data_ptr()))
+    return int(token), float(lead), bool(stop)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pick_is_torchs_argmax_ties_and_nans_included(dtype):
+    """The pick a lone sequence's tokens come from (multi-step decoding) is the sampler's
+    argmax on every row: the first of exact ties, a NaN as torch counts it (the first), rows
+    whose length is no multiple of the kernel's 16 lanes; and its lead is best minus second."""
+    rng = torch.Generator().manual_seed(0)
+    for n in (1, 15, 16, 17, 49152, 49157):
+        row = torch.randn(n, generator=rng).to(dtype)
+        rows = [row, row.clone().fill_(-math.inf), row.clone().fill_(3.0)]
+        if n > 5:
+            tie = row.clone()
+            tie[n - 2] = tie[n // 3] = tie.max() + 1  # an exact tie, the later one in another lane
+            nan = row.clone()
+            nan[n - 1] = nan[n // 2] = math.nan
+            rows += [tie, nan]
+        for r in rows:
+            token, lead, stop = _pick(r)
+            assert token == int(r.argmax()), (n, r)
+            top = r.float().topk(min(2, n)).values
+            if not r.isnan().any() and n > 1:
+                expected = float(top[0] - top[1])  # (NaN for a row of -inf)
+                assert lead == expected if not math.isnan(expected) else math.isnan(lead)
+            # No margin, no stop ids: only a NaN lead stops (a NaN, or no finite logit at all).
+            assert stop == bool(r.isnan().any() or (r == -math.inf).all())
+    row = torch.tensor([0.0, 2.0, 1.5, -1.0], dtype=dtype)
+    assert _pick(row, margin=0.4) == (1, 0.5, False) and _pick(row, margin=0.6) == (1, 0.5, True)
+    assert _pick(row, stops=(7, 1)) == (1, 0.5, True)

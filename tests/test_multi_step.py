@@ -7,13 +7,14 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from conftest import generate_tokens, run_concurrently, wait_idle
+from conftest import concurrently, generate_tokens, wait_idle
 
 import lmserve.engine.multi_step as multi_step
 from lmserve import Engine, SamplingParams
 from lmserve.models.builtin import builtin_model_path
 from lmserve.scheduler import Batch
 from lmserve.spec.adaptive import DraftChoice
+from lmserve.structured.params import StructuredOutputsParams
 
 TEXTS = ["Name three rivers of Europe and the seas they flow into.", "Write a haiku about autumn."]
 
@@ -112,13 +113,19 @@ def test_runs_end_where_one_token_a_step_ends(engines, long_runs):
 
 
 def test_what_changes_the_logits_or_company_decodes_a_token_a_step(engines, long_runs):
-    """Sampling, logprobs and penalties take a token a step, with their outputs unchanged; of
+    """Sampling, logprobs, penalties, a logit bias and a grammar take a token a step, with their
+    outputs unchanged; of
     two streams, one runs only while nothing else is running or waiting."""
     on, off = engines("O2")
     runs = _runs(on)
     for params in (SamplingParams(temperature=0.8, seed=3, max_tokens=24),
                    SamplingParams(temperature=0, logprobs=2, max_tokens=24),
-                   SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=24)):
+                   SamplingParams(temperature=0, logprobs=0, max_tokens=24),
+                   SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=24),
+                   SamplingParams(temperature=0, frequency_penalty=0.5, max_tokens=24),
+                   SamplingParams(temperature=0, logit_bias={(_prompt(on, TEXTS[1])[-1]): 5.0}, max_tokens=24),
+                   SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(
+                       regex="[a-z ]{10,40}"))):
         a, b = _both(on, off, TEXTS[1], params)
         assert a == b, params
     assert runs == []
@@ -126,16 +133,17 @@ def test_what_changes_the_logits_or_company_decodes_a_token_a_step(engines, long
     chunked = Engine(verbose=False, prefill_mode="chunked", prefill_chunk_size=16)
     try:
         runs = _runs(chunked)
-        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-        prompts = [_prompt(on, t) for t in TEXTS]
-        together = run_concurrently(chunked, prompts, params, delays=[0, 0.1])
-        assert together == [generate_tokens(off, p, params) for p in prompts]
+        # The second arrives while the first decodes and outlasts it: it ends alone.
+        requests = [(_prompt(on, t), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                    for t, n in zip(TEXTS, (30, 60))]
+        together = concurrently(lambda r: generate_tokens(chunked, *r), requests, delays=[0, 0.1])
+        assert together == [generate_tokens(off, *r) for r in requests]
         assert runs and all(alone == 1 for _, alone in runs)
     finally:
         chunked.shutdown()
 
 
-def test_leaving_a_stream_mid_run_frees_every_page(engines, long_runs):
+def test_leaving_a_stream_between_runs_frees_every_page(engines, long_runs):
     on, _ = engines("O2")
     runs = _runs(on)
     for after in (1, 2, 3):
@@ -193,14 +201,15 @@ def test_where_the_adaptive_length_decodes_plainly_a_lone_stream_runs(engines, l
 
 
 def test_the_adaptive_length_times_a_run_as_plain_decoding_a_token():
-    """A run of 4 tokens in 40 ms is plain decoding (length 0, nothing drafted) at 10 ms."""
+    """A run of 4 tokens in 40 ms is 4 steps of plain decoding (length 0, nothing drafted) at
+    10 ms; the 4 steps count towards the next try of a length that drafts as 4 plain ones."""
     engine = Engine(verbose=False, speculative_mode="ngram", spec_draft_length=0)
     try:
         speculator, seen = engine._core.speculator, []
-        speculator.adaptive.observe = lambda *args: seen.append(args)
+        speculator.adaptive.observe = lambda *args, **kwargs: seen.append((args, kwargs))
         batch = Batch([], draft_choice=DraftChoice(1, 0), tokens=[5, 6, 7, 8])
         speculator.record(batch, 0.04)
-        assert seen == [(DraftChoice(1, 0), 0.01, [(0, 0)], False)]
+        assert seen == [((DraftChoice(1, 0), 0.01, [(0, 0)], False), {"steps": 4})]
         assert speculator.counters.num_drafts == 0
     finally:
         engine.shutdown()

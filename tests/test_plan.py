@@ -313,3 +313,15 @@ def test_the_plan_budgets_torch_attention_where_the_kernel_cannot_serve_the_mode
     served, odd = _args(2048), dataclasses.replace(_args(2048), head_dim=24)
     assert workspace(served, "O0") < workspace(served, "O0;attention=torch_native")
     assert workspace(odd, "O0") == workspace(odd, "O0;attention=torch_native")
+
+
+@pytest.mark.parametrize("config, line", [
+    (EngineConfig(), "a greedy stream alone: up to 8 tokens a step"),
+    (EngineConfig(speculative_mode="ngram"), "a greedy stream alone, where the adaptive draft length decodes plainly"),
+    (EngineConfig(speculative_mode="ngram", spec_draft_length=4), "off (speculation decides a step's tokens)"),
+    (EngineConfig(opt="O2;multi_step=0"), "off (opt multi_step=0)"),
+    (EngineConfig(opt="O0;attention=torch_native"), "off (the torch path)"),
+    (EngineConfig(sliding_window_size=256), "off (a sliding window)"),
+])
+def test_the_plan_says_when_a_lone_stream_decodes_several_tokens_a_step(config, line):
+    assert make_plan(config, _args(2048), device_memory=16 * GiB).multi_step.startswith(line)

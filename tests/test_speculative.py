@@ -237,6 +237,29 @@ def test_the_adaptive_length_leaves_a_plateau_of_lengths_that_all_lose_to_plain_
         assert chosen[0] == 8 and chosen[-200:].count(0) >= 190, (seed, chosen[-200:])
 
 
+def test_plain_decoding_in_runs_is_tried_against_as_often_as_a_token_a_step():
+    """Where plain decoding pays (drafts right 30% of the time, a draft costing 0.9 of a plain
+    step), a lone stream's plain steps are multi-step runs of 8 tokens, each timed as a token
+    (engine/multi_step.py): a run counts as 8 plain steps towards the next try, so the drafting
+    lengths are tried about as often a token as with a token a step, not 8 times less."""
+    def tries_a_token(run: int) -> float:
+        policy, rng, tokens, tries = AdaptiveDraftLength(start=0), random.Random(0), 0, 0
+        while tokens < 30000:
+            choice = policy.choose(1)
+            k = choice.length
+            if k == 0:
+                policy.observe(choice, 1.0, [(0, 0)], False, steps=run)
+                tokens += run
+            else:
+                accepted = _accepted(rng, 0.3, k)
+                policy.observe(choice, 1.2 + 0.9 * k, [(k, accepted)])
+                tokens, tries = tokens + 1 + accepted, tries + 1
+        return tries / tokens
+
+    one, runs = tries_a_token(1), tries_a_token(8)
+    assert one > 0 and 0.6 < runs / one < 1.6, (one, runs)
+
+
 def test_a_batch_sizes_tail_takes_the_length_measured_beside_it():
     """Four streams at a time: the full batch's steps measure that drafts do not pay (a
     compute-bound machine, drafts right half the time), and as each wave's requests finish a

@@ -113,10 +113,10 @@ class EngineCore:
                                                         frozenset(self.tokenizer.eos_token_ids))
             if self.speculator is not None and self.multi_step is not None:
                 self.speculator.plain_run = self._multi_step_lookahead
-            lookahead = self.speculator.lookahead if self.speculator else (
-                self.multi_step and self._multi_step_lookahead)
+            lookahead = (self.speculator.lookahead if self.speculator is not None
+                         else self._multi_step_lookahead if self.multi_step is not None else None)
             self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
-                                       config.prefill_mode, lookahead or None,
+                                       config.prefill_mode, lookahead,
                                        config.pipeline_parallel_stages or 1)
             self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
             self.grammars = GrammarCompiler(self.tokenizer, self.args.vocab_size)
@@ -323,8 +323,9 @@ class EngineCore:
     # -- internals -----------------------------------------------------------------------------
 
     def _multi_step_lookahead(self, seqs: list[Sequence], with_prefill: bool) -> list[int]:
-        """The scheduler's ``lookahead`` without speculation: a run's slots for a sequence
-        decoding alone, with nothing else running or waiting (``MultiStepDecode``)."""
+        """A run's slots for a sequence decoding alone, with nothing else running or waiting
+        (``MultiStepDecode``): the scheduler's ``lookahead`` without speculation, the
+        speculator's where its adaptive length decodes plainly."""
         alone = len(self.scheduler.running) == 1 and not self.scheduler.waiting
         return self.multi_step.lookahead(seqs, alone and not with_prefill)
 

@@ -15,11 +15,13 @@ namespace {
 
 using namespace lm;
 
-// The best value (the first index holding it) and the best of the rest, of x[0 : n].
+// The best value (the first index holding it) and the best of the rest, of x[0 : n]; as
+// torch.argmax, a NaN counts as the best (the first NaN's index, best and second NaN).
 template <typename T>
 void top2(const T* x, int64_t n, int64_t* index, float* best, float* second) {
   constexpr int L = 16;  // lanes of running maxima, so the loop vectorizes
   float m1[L], m2[L];
+  int nan[L] = {};
   for (int l = 0; l < L; ++l) m1[l] = m2[l] = -INFINITY;
   const int64_t whole = n / L * L;
   for (int64_t i = 0; i < whole; i += L)
@@ -28,6 +30,7 @@ void top2(const T* x, int64_t n, int64_t* index, float* best, float* second) {
       const float lower = v < m1[l] ? v : m1[l];
       m2[l] = lower > m2[l] ? lower : m2[l];
       m1[l] = v > m1[l] ? v : m1[l];
+      nan[l] |= v != v;
     }
   for (int64_t i = whole; i < n; ++i) {
     const int l = (int)(i - whole);
@@ -35,7 +38,15 @@ void top2(const T* x, int64_t n, int64_t* index, float* best, float* second) {
     const float lower = v < m1[l] ? v : m1[l];
     m2[l] = lower > m2[l] ? lower : m2[l];
     m1[l] = v > m1[l] ? v : m1[l];
+    nan[l] |= v != v;
   }
+  for (int l = 0; l < L; ++l)
+    if (nan[l]) {
+      *index = 0;
+      while (to_f32(x[*index]) == to_f32(x[*index])) ++*index;
+      *best = *second = NAN;
+      return;
+    }
   int top = 0;
   for (int l = 1; l < L; ++l)
     if (m1[l] > m1[top]) top = l;
@@ -44,7 +55,7 @@ void top2(const T* x, int64_t n, int64_t* index, float* best, float* second) {
     if (l != top && m1[l] > rest) rest = m1[l];
   *best = m1[top];
   *second = rest;
-  *index = 0;  // (a row of NaNs: token 0)
+  *index = 0;
   for (int64_t i = 0; i < n; ++i)
     if (to_f32(x[i]) == m1[top]) {
       *index = i;
@@ -70,7 +81,7 @@ void lm_embed_row_packed(const int64_t* a) {
 
 // The greedy token of one row of logits (vocab,), float32 or bf16 (a[1] = 1), into *a[6], and
 // its lead over the second best into *a[7]; raises *a[8] when the lead is under the margin a[3]
-// (a float32 word) or the token is one of the a[5] stop ids at a[4].
+// (a float32 word) or NaN, or the token is one of the a[5] stop ids at a[4].
 void lm_greedy_pick_packed(const int64_t* a) {
   int64_t token;
   float best, second;
@@ -81,7 +92,7 @@ void lm_greedy_pick_packed(const int64_t* a) {
   const float lead = best - second;
   *(int64_t*)a[6] = token;
   *(float*)a[7] = lead;
-  bool stop = lead < word_to_f32(a[3]);
+  bool stop = lead < word_to_f32(a[3]) || lead != lead;  // (a NaN: nothing to go on from)
   const int64_t* stops = (const int64_t*)a[4];
   for (int64_t i = 0; i < a[5]; ++i) stop = stop || stops[i] == token;
   if (stop) *(int32_t*)a[8] = 1;

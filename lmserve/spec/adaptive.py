@@ -238,17 +238,22 @@ class AdaptiveDraftLength:
         self._trying = None
 
     def observe(self, choice: DraftChoice, seconds: float, outcomes: list[tuple[int, int]],
-                drafted: bool = True) -> None:
+                drafted: bool = True, steps: int = 1) -> None:
         """A decode step run at ``choice`` took ``seconds``; ``outcomes``: per decoding
         sequence, the drafts the step allowed it (the length, or less near its length limits)
         and how many it accepted; ``drafted``: some sequence had drafts. A step that allowed
         drafts but had none (prompt lookup found no match) ran as plain decoding whatever the
         length: it measures neither, or the stretches of a workload without matches would
-        pull every length towards plain decoding."""
+        pull every length towards plain decoding. ``steps``: the plain steps it stands for (a
+        multi-step run of that many tokens, ``seconds`` being a token's), which count towards
+        the next try as plain steps do."""
         if seconds <= 0 or not outcomes or (choice.length and not drafted):
             return
         self._acceptance.add(outcomes)
         bucket, index = self._bucket(_key(choice.num_seqs)), LENGTHS.index(choice.length)
+        if choice.timed and index == bucket.current:
+            bucket.until_try -= steps - 1
+            bucket.since_try += steps - 1
         per_seq = seconds / len(outcomes)
         if not choice.timed:
             bucket.switch_seconds += per_seq

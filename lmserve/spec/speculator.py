@@ -159,7 +159,8 @@ class Speculator:
         multi-step run counts as plain decoding at its time a token."""
         if batch.tokens is not None:
             if batch.draft_choice is not None:
-                self.adaptive.observe(batch.draft_choice, seconds / len(batch.tokens), [(0, 0)], False)
+                n = len(batch.tokens)
+                self.adaptive.observe(batch.draft_choice, seconds / n, [(0, 0)], False, steps=n)
             return
         decode_only, outcomes, drafted = True, [], False
         for chunk in batch.chunks:
