@@ -282,16 +282,16 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
 def _multi_step(config: EngineConfig, opt: OptFlags, windowed: bool, recurrent: bool,
                 ranks: int) -> str:
     """The plan's line on multi-step decoding (engine/multi_step.py): when it runs, or why not."""
-    adaptive = config.speculative_mode in ("ngram", "small_draft") and config.spec_draft_length == 0
+    drafts = config.speculative_mode in ("ngram", "small_draft")
     why_not = ("opt multi_step=0" if not opt.multi_step
-               else "speculation decides a step's tokens" if config.speculative_mode != "disable"
-               and not adaptive
+               else "the heads read every token's hidden states"
+               if config.speculative_mode in ("eagle", "medusa")
                else "a sliding window" if windowed else "recurrent layers" if recurrent
                else "parallel ranks" if ranks > 1
                else "the torch path" if opt.attention != "cpu_paged" else None)
     if why_not is not None:
         return f"off ({why_not})"
-    where = ", where the adaptive draft length decodes plainly" if adaptive else ""
+    where = ", where the drafter drafts nothing" if drafts else ""
     return (f"a greedy stream alone{where}: up to {MAX_RUN} tokens a step, about "
             f"{RUN_SECONDS * 1000:.0f} ms of them (with the C++ kernels)")
 

@@ -213,3 +213,19 @@ def test_the_adaptive_length_times_a_run_as_plain_decoding_a_token():
         assert speculator.counters.num_drafts == 0
     finally:
         engine.shutdown()
+
+
+def test_where_prompt_lookup_finds_no_match_a_lone_stream_runs(engines, long_runs):
+    """A fixed draft length: steps with a match draft, steps without one are runs; the output
+    is plain decoding's."""
+    _, off = engines("O2")
+    engine = Engine(verbose=False, speculative_mode="ngram", spec_draft_length=4)
+    try:
+        runs = _runs(engine)
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        text = "Copy this list twice, numbered: apples, pears, plums, cherries, figs, dates."
+        assert generate_tokens(engine, _prompt(engine, text), params) == \
+            generate_tokens(off, _prompt(off, text), params)
+        assert runs and engine._core.speculator.counters.num_drafts > 0
+    finally:
+        engine.shutdown()

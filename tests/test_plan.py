@@ -5,12 +5,13 @@ import re
 
 import pytest
 
-from lmserve.config import EngineConfig
+from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.args import ModelArgs
 from lmserve.plan import (
     RUNTIME_MARGIN_BYTES,
     SERVER_BATCH,
     SERVER_CHUNK,
+    _multi_step,
     make_plan,
     weight_bytes,
     workspace_bytes,
@@ -317,11 +318,14 @@ def test_the_plan_budgets_torch_attention_where_the_kernel_cannot_serve_the_mode
 
 @pytest.mark.parametrize("config, line", [
     (EngineConfig(), "a greedy stream alone: up to 8 tokens a step"),
-    (EngineConfig(speculative_mode="ngram"), "a greedy stream alone, where the adaptive draft length decodes plainly"),
-    (EngineConfig(speculative_mode="ngram", spec_draft_length=4), "off (speculation decides a step's tokens)"),
+    (EngineConfig(speculative_mode="ngram"), "a greedy stream alone, where the drafter drafts nothing"),
+    (EngineConfig(speculative_mode="ngram", spec_draft_length=4), "a greedy stream alone, where the drafter"),
     (EngineConfig(opt="O2;multi_step=0"), "off (opt multi_step=0)"),
     (EngineConfig(opt="O0;attention=torch_native"), "off (the torch path)"),
     (EngineConfig(sliding_window_size=256), "off (a sliding window)"),
 ])
 def test_the_plan_says_when_a_lone_stream_decodes_several_tokens_a_step(config, line):
     assert make_plan(config, _args(2048), device_memory=16 * GiB).multi_step.startswith(line)
+    medusa = EngineConfig(speculative_mode="medusa", additional_models=["heads"])
+    assert _multi_step(medusa, parse_opt(None), False, False, 1) == \
+        "off (the heads read every token's hidden states)"

@@ -105,10 +105,10 @@ class EngineCore:
                                               frozenset(self.tokenizer.eos_token_ids))
             if self.speculator is not None:
                 self.runner.feature_layers = self.speculator.feature_layers
-            # A lone greedy sequence's multi-step runs: without speculation, or where the adaptive
-            # draft length decodes plainly (not beside drafters on the target's features).
+            # A lone greedy sequence's multi-step runs: without speculation, or where the drafter
+            # drafts nothing (not beside drafters on the target's features: no chain builds).
             self.multi_step = None
-            if opt.multi_step and (self.speculator is None or self.speculator.adaptive is not None):
+            if opt.multi_step:
                 self.multi_step = MultiStepDecode.build(self.runner, plan.max_single_sequence_length,
                                                         frozenset(self.tokenizer.eos_token_ids))
             if self.speculator is not None and self.multi_step is not None:
@@ -325,7 +325,7 @@ class EngineCore:
     def _multi_step_lookahead(self, seqs: list[Sequence], with_prefill: bool) -> list[int]:
         """A run's slots for a sequence decoding alone, with nothing else running or waiting
         (``MultiStepDecode``): the scheduler's ``lookahead`` without speculation, the
-        speculator's where its adaptive length decodes plainly."""
+        speculator's where it drafts nothing (``Speculator.plain_run``)."""
         alone = len(self.scheduler.running) == 1 and not self.scheduler.waiting
         return self.multi_step.lookahead(seqs, alone and not with_prefill)
 

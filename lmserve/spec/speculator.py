@@ -102,8 +102,9 @@ class Speculator:
         self._asked: dict[Sequence, int] = {}
         self._allowed: dict[Sequence, int] = {}
         self._choice: Optional[DraftChoice] = None
-        # Where the adaptive length decodes plainly, a lone sequence's multi-step run: its
-        # slots (``MultiStepDecode.lookahead``, set by the engine), or None.
+        # Where a lone sequence drafts nothing (the adaptive length decodes plainly, or prompt
+        # lookup found no match), its multi-step run: the run's slots
+        # (``MultiStepDecode.lookahead``, set by the engine), or None.
         self.plain_run: Optional[Callable[[list[Sequence], bool], list[int]]] = None
 
     def lookahead(self, seqs: list[Sequence], with_prefill: bool = False) -> list[int]:
@@ -129,6 +130,8 @@ class Speculator:
         self._allowed = {s: min(k, self._cap(s)) for s in seqs}
         depths = [self.drafter.offer(s, allowed) if (allowed := self._allowed[s]) else 0
                   for s in seqs]
+        if self.plain_run is not None and depths == [0]:
+            return self.plain_run(seqs, with_prefill)  # (a lone sequence with nothing to draft)
         self._depths = dict(zip(seqs, depths))
         # A tree's nodes take slots past the sequence's end: keep them within the longest.
         slots = [min(self.drafter.num_nodes(s, d) if d else 0,
