@@ -6,10 +6,10 @@ Python: scheduling, the step's tensors, sampling, the output. When one sequence 
 penalties, bias, grammar or logprobs; ``min_tokens`` reached), the engine runs its next tokens
 as a ``GreedyChain`` over the target's own runner: the scheduler reserves their slots as it does
 for drafts, and the step's tokens come back as a run of accepted drafts and the token after them
-(``Scheduler.update`` keeps their KV). With speculation, the steps where the adaptive draft
-length decodes plainly are runs too (``Speculator.plain_run``). The same kernels on the same
-inputs: the same tokens as one step a token. The run stops after a stop or end-of-sequence token; stop strings and
-``max_tokens`` cut it in the output processor, as they cut accepted drafts.
+(``Scheduler.update`` keeps their KV). With speculation, the steps where the drafter drafts
+nothing for it are runs too (``Speculator.plain_run``). The same kernels on the same inputs:
+the same tokens as one step a token. The run stops after a stop or end-of-sequence token; stop
+strings and ``max_tokens`` cut it in the output processor, as they cut accepted drafts.
 
 How many tokens: as many as the last lone step's speed fits in ``RUN_SECONDS``, at most
 ``MAX_RUN``, within ``max_tokens`` and the longest sequence. A request that arrives meanwhile
