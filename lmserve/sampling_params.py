@@ -206,6 +206,11 @@ class SamplingParams:
                 # The grammar decides where the output ends; banning its end would leave no token.
                 raise ValueError("min_tokens cannot be combined with structured output")
 
+    def stop_ids(self, eos_token_ids) -> list[int]:
+        """The token ids that end a choice when chosen (before ``min_tokens``, banned):
+        ``stop_token_ids`` and, unless ``ignore_eos``, the model's ``eos_token_ids``."""
+        return [*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)]
+
     @property
     def is_greedy(self) -> bool:
         """True when every token is the most likely one (temperature 0): no randomness at all."""

@@ -74,10 +74,9 @@ class MultiStepDecode:
         granted, self._granted = self._granted, None
         if c is None or c.seq is not granted or not c.num_lookahead or len(c.draft):
             return False  # (slots granted for drafts, or none granted)
-        seq, params = c.seq, c.seq.request.params
-        stops = [*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids)]
-        tokens = self.chain.run(seq.token_ids[-1], seq.num_computed, list(seq.pages),
-                                1 + c.num_lookahead, stops, float("-inf"))
+        seq = c.seq
+        tokens = self.chain.run(seq.token_ids[-1], seq.num_computed, list(seq.pages), 1 + c.num_lookahead,
+                                seq.request.params.stop_ids(self.eos_token_ids), float("-inf"))
         c.draft = DraftTree.chain(tokens[:-1])
         c.accepted = list(range(len(c.draft)))
         batch.tokens = tokens

@@ -1,7 +1,8 @@
 // lmserve-isa: avx512 avx2 neon
 // Runs a list of kernel calls in one go, so a step's decoder layers cost one call from Python
 // instead of eight a layer (see layers/call_list.py and LlamaModel.layer_calls); or pass after
-// pass, as a draft model's chain of one-token passes does (greedy_chain.py).
+// pass, as a chain of one-token passes does (greedy_chain.py: a draft model's drafts, a lone
+// sequence's multi-step run).
 //
 // Each row of `calls` (n rows of `stride` 64-bit words) is a function taking its arguments as
 // 64-bit words (the kernels' *_packed entry points), followed by those arguments.

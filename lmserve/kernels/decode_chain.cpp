@@ -1,9 +1,9 @@
 // lmserve-isa: avx512 avx2 neon
 // The two calls a chain of greedy one-token decode passes adds to a call list around the decoder
-// layers (a draft model's drafts, greedy_chain.py): the token's embedding first
-// (lm_embed_row_packed), and after the final norm and the head lm_greedy_pick_packed, which
-// writes the best token where the next pass's embedding reads it and raises the stop flag that
-// call_list.cpp's lm_run_call_passes checks between passes.
+// layers (greedy_chain.py: a draft model's drafts, a lone sequence's tokens): the token's
+// embedding first (lm_embed_row_packed), and after the final norm and the head
+// lm_greedy_pick_packed, which writes the best token where the next pass's embedding reads it and
+// raises the stop flag that call_list.cpp's lm_run_call_passes checks between passes.
 #include <stdint.h>
 #include <string.h>
 

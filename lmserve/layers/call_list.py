@@ -74,6 +74,7 @@ class CallList:
                     self.slots[i, j] = index[arg.name]
                 else:
                     self.fixed[i, j] = arg
+        self._words: dict[str, torch.Tensor] = {}  # (``_words_of``'s, once a name)
 
     def run(self, values: dict[str, int]) -> None:
         """Run every call with each slot set to ``values[name]``. The caller keeps the buffers
@@ -87,12 +88,17 @@ class CallList:
         (bytes) before every pass but the first; it stops after a pass that sets ``stop`` (one
         int32) nonzero. Returns the passes run."""
         calls = self.filled(values)
-        moving = {name: (self.slots.flatten() == self.names.index(name) + 1).nonzero().flatten()
-                  for name in strides if name in self.names}  # flat indices of their words
+        moving = {name: self._words_of(name) for name in strides if name in self.names}
         words = torch.cat(list(moving.values()))
         steps = torch.cat([torch.full_like(w, strides[name]) for name, w in moving.items()])
         return self.lib.lm_run_call_passes(calls.data_ptr(), calls.shape[0], calls.shape[1], passes,
                                            words.data_ptr(), steps.data_ptr(), len(words), stop.data_ptr())
+
+    def _words_of(self, name: str) -> torch.Tensor:
+        """The flat indices into ``filled``'s calls of the words that take slot ``name``."""
+        if name not in self._words:
+            self._words[name] = (self.slots.flatten() == self.names.index(name) + 1).nonzero().flatten()
+        return self._words[name]
 
     def filled(self, values: dict[str, int]) -> torch.Tensor:
         """The calls ``(n, stride)`` with each slot set to ``values[name]``."""

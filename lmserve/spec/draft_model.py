@@ -31,6 +31,7 @@ import logging
 from typing import Optional
 
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
+from lmserve.greedy_chain import GreedyChain
 from lmserve.library.library import ModelLibrary
 from lmserve.models.args import ModelArgs
 from lmserve.models.source import ModelSource, open_draft_model
@@ -38,7 +39,6 @@ from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.spec.coupled import coupled_tokens, lead_with, plain_greedy
-from lmserve.greedy_chain import GreedyChain
 from lmserve.spec.tree import DraftTree
 from lmserve.step import SeqStep, StepInput
 
@@ -144,8 +144,7 @@ class DraftModelDrafter:
 
     def _stop_ids(self, seq: Sequence) -> list[int]:
         """The token ids that end ``seq``'s chain (``_ends``)."""
-        p = seq.request.params
-        return [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+        return seq.request.params.stop_ids(self.eos_token_ids)
 
     def _catch_up(self, ends: dict[ScheduledChunk, int],
                   drafting: set[ScheduledChunk]) -> dict[ScheduledChunk, tuple[list[int], bool]]:
