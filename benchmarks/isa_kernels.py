@@ -3,7 +3,8 @@
 Runs ``benchmarks/matmul_kernels.py`` once per ISA (``LMSERVE_ISA``; one process each, as a
 server picks its ISA once), in interleaved rounds, and prints each lmserve kernel's median
 GFLOP/s per ISA and its ratio to the first one listed. The outputs are the same bits on every
-ISA (tests/test_kernel_isas.py), so this is the whole difference between them.
+ISA (tests/test_kernel_isas.py), so this is the whole difference between them; but for the
+bf16 kernel on AMX tiles, whose sums differ in their last bits (kernels/block_gemm.cpp).
 
     .venv/bin/python benchmarks/isa_kernels.py [--rounds 3] [--rows 1 16 256] [--isas amx avx512]
 """

@@ -117,14 +117,29 @@ def test_this_cpu_runs_more_than_one_isa():
         assert "avx2" in ISAS
 
 
+# The layer outputs of the bf16 kernel (float32 or bfloat16 activations, bf16 weights): on AMX
+# tiles their sums are TDPBF16PS's, other last bits than the vector path's (kernels/block_gemm.cpp).
+def on_bf16_kernel(name: str) -> bool:
+    return name == "bf16 weights" or " float32 m=" in name or " bfloat16 m=" in name
+
+
+def amx_tiles_run(isa: str) -> bool:
+    """Whether the ``isa`` build multiplies on AMX tiles on this machine."""
+    return isa == "amx" and "amx_tile" in cpu_flags() and tile_state_granted()
+
+
 def test_every_isa_gives_the_best_isas_bits(outputs):
     """The int8 matmul's integer dot products, the bf16 pair products (FMAs where vdpbf16ps is
     missing), the float32 matmul's FMAs, the reductions in one order and the exp polynomial: the
-    same bits on every ISA."""
+    same bits on every ISA; the bf16 kernel on AMX tiles within a bf16 rounding of them."""
     best = outputs[ISAS[0]]
     for isa in ISAS[1:]:
         for name, value in best.items():
-            assert torch.equal(outputs[isa][name], value), f"{name} on {isa}"
+            if amx_tiles_run(isa) and on_bf16_kernel(name):
+                err = (outputs[isa][name].float() - value.float()).abs().max()
+                assert err <= 1e-2 * value.float().abs().max(), f"{name} on {isa}: {err}"
+            else:
+                assert torch.equal(outputs[isa][name], value), f"{name} on {isa}"
 
 
 # Largest error against a float64 matmul of the same weights, relative to the output's scale,
@@ -173,27 +188,39 @@ def test_the_plan_says_where_each_op_runs():
                              "attention, norm and SiLU, recurrent decode, tensor-parallel all-reduce")
 
 
+def test_the_plan_names_what_the_amx_build_multiplies_on_tiles(monkeypatch):
+    from lmserve.kernels import build
+
+    assert ("AMX tiles" in build.describe_kernels()) == (selected_isa().name == "amx")
+    monkeypatch.setattr(build, "selected_isa", lambda: next(i for i in ALL_ISAS if i.name == "amx"))
+    line = build.describe_kernels()
+    assert line.startswith("amx (") and ("; AMX tiles: int8-activation matmuls of 16 rows or more, block "
+                                         "and bf16 matmuls; C++: int8-activation matmuls, block and bf16") in line
+
+
 KERNELS = ["int8_gemm", "block_gemm", "dense_gemm", "fused_ops", "paged_attention", "ssm_decode", "shm_all_reduce", "call_list", "decode_chain"]
 
 
 def test_every_kernel_is_built_for_every_isa():
     """Every kernel has a version for each vector ISA; the AMX build has tile paths in the int8
-    matmul, and builds every other kernel for AVX-512, which it extends."""
+    and bf16 matmuls, and builds every other kernel for AVX-512, which it extends."""
     assert all(kernel_isas(name)[-3:] == ["avx512", "avx2", "neon"] for name in KERNELS)
-    assert [name for name in KERNELS if "amx" in kernel_isas(name)] == ["int8_gemm"]
+    assert [name for name in KERNELS if "amx" in kernel_isas(name)] == ["int8_gemm", "block_gemm"]
 
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="this CPU runs one instruction set")
 def test_greedy_output_is_batch_invariant_on_the_other_isas():
     """The hard rule at every level on every ISA but the best (whose run is the rest of the
     suite): greedy tokens alone equal those in batch company, and the same tokens as on the best
-    ISA (the kernels give the same bits)."""
+    ISA (the kernels give the same bits; not O1's bf16 matmuls on AMX tiles)."""
     levels = "O0,O1,O2,O3"
     best = json.loads(in_process_with(ISAS[0], f"greedy_alone_and_together({levels!r})"))
     for isa in ISAS[1:]:
         result = json.loads(in_process_with(isa, f"greedy_alone_and_together({levels!r})"))
         for opt, r in result.items():
-            assert r["alone"] == r["together"] == best[opt]["alone"], f"{opt} on {isa}"
+            assert r["alone"] == r["together"], f"{opt} on {isa}"
+            if not (opt == "O1" and amx_tiles_run(isa)):
+                assert r["alone"] == best[opt]["alone"], f"{opt} on {isa}"
             assert all(len(t) == 24 for t in r["alone"])
             assert r["attention"] == "CpuPagedBackend"
 
@@ -247,15 +274,18 @@ def test_every_build_matches_a_scalar_reference_and_each_others_bits(tmp_path):
     under qemu-user): each within its stated tolerance of a plain scalar reference written from the
     layouts (int8 activations: 3e-2 of the output scale for one digit, 3e-4 for two; bf16
     matmul: 1e-5 with bf16 activations, 2e-4 with float32 ones; float32 matmul 1e-6; norm 1e-5;
-    SiLU 1e-6), and all
-    with the same bits. The AMX build multiplies on tiles where the CPU has them, and runs on
-    any AVX-512 CPU: without tiles it takes its vector path; the emulated tiles' build runs its
-    tile path everywhere."""
+    SiLU 1e-6), every matmul row the same bits alone as in a batch, and all with the same bits.
+    The AMX build multiplies on tiles where the CPU has them, and runs on any AVX-512 CPU:
+    without tiles it takes its vector paths; the emulated tiles' build runs its tile paths
+    everywhere. The bf16 matmul's tiles sum in another order (TDPBF16PS): they are held to the
+    reference and to batch invariance, and the harness writes out the vector path's bits, run
+    in the same process."""
     runs = run_harness("isa_harness", PORTABLE_KERNELS, tmp_path, tile_builds=True)
     assert "amx emulated" in runs or "avx512" not in ISAS
     for name, run in runs.items():
-        tiles = name == "amx emulated" or (name == "amx" and "amx_tile" in cpu_flags() and tile_state_granted())
-        assert f"int8_gemm tiles: {'on' if tiles else 'off'}" in run.stderr.decode(), name
+        tiles = name == "amx emulated" or amx_tiles_run(name)
+        for kernel in ("int8_gemm", "block_gemm"):
+            assert f"{kernel} tiles: {'on' if tiles else 'off'}" in run.stderr.decode(), name
     assert len({run.stdout for run in runs.values()}) == 1, {name: len(r.stdout) for name, r in runs.items()}
 
 

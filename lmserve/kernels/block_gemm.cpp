@@ -1,4 +1,4 @@
-// lmserve-isa: avx512 avx2 neon
+// lmserve-isa: amx avx512 avx2 neon
 // Matrix multiply with weights kept in GGUF-style blocks of 32 (4-bit or 8-bit codes with a
 // float32 scale and zero per block, or plain bf16): C (M, N) = A (M, K) @ W (N, K)^T.
 //
@@ -17,10 +17,14 @@
 //           i+16, as GGUF Q4_0/Q4_1 store a block), (N/4, K/32, 4, 32) int8 for 8-bit (Q8_0),
 //           or (N/4, K/32, 4, 64) bytes of bf16 weights (scale and zero unused)
 //   consts  (N/4, K/32, 2, 4) float32: the 4 rows' scales, then their zeros.
+//
+// The "amx" build multiplies on AMX tiles instead (below), with other last bits.
 #include <omp.h>
 
+#include "amx.h"
 #include "simd.h"
 
+#include <algorithm>
 #include <vector>
 
 namespace {
@@ -169,6 +173,163 @@ void gemm(const Args& p) {
     gemm_tiles<BITS, 8, 2>(p);
 }
 
+#if LM_AMX
+// AMX tiles (the "amx" build, where Linux grants them): TDPBF16PS multiplies 16 rows by 16
+// weight rows over a block of 32 in one instruction, for every row count. Its sums are not
+// vdpbf16ps's: an instruction sums the block's even and odd products apart, from zero, then adds
+// the two and that to the output (Intel SDM), where the vector path adds each pair of products
+// to one of 16 running lanes. A row therefore gets other last bits here than in the vector path,
+// but the same alone as in any batch (each output's arithmetic depends on its row and column
+// only), which is why the tiles take every row count, decode's single row too.
+//
+// Tiles: 0-3 the sums of 2 x 2 groups of 16 rows and 16 columns; 4, 5 a block of 32 activations
+// of two row groups (or of one group's two bf16 halves, for float32 activations); 6, 7 a block
+// of two column groups' weights as the instruction takes them: row j holds each column's pair j
+// (elements 2j and 2j + 1), so a block of 16 weight rows is a 16 x 16 transpose of 32-bit pairs.
+constexpr TileShape kTiles[8] = {{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}};
+constexpr int kGroup = 16;                // rows or columns a tile holds
+constexpr int kTileElems = kGroup * 32;   // bf16 elements of a tile (1 KiB)
+bool use_tiles = true;
+
+// Transposes the 16 x 16 32-bit elements of r (row i: r[i]).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// The weights of `groups` column groups from n0 in tile layout, (groups, K/32) tiles; rows past
+// the layout's (N rounded up to kPack) are zeros.
+template <int BITS>
+void tile_weights(const Args& p, int n0, int groups, uint16_t* out) {
+  const int G = p.K / 32, rows = (p.N + kPack - 1) / kPack * kPack;
+  for (int c = 0; c < groups; ++c)
+    for (int g = 0; g < G; ++g) {
+      __m512i r[kGroup];
+      for (int i = 0; i < kGroup; ++i) {
+        const int n = n0 + c * kGroup + i;
+        r[i] = n < rows ? block<BITS>(p, n, g) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int j = 0; j < kGroup; ++j) _mm512_storeu_si512(out + ((int64_t)c * G + g) * kTileElems + j * 32, r[j]);
+    }
+}
+
+// Rows m0 .. m0+15 of the activations: in place when all exist, else the zero-padded copy of
+// the last rows, `tail` (16 rows of high halves, then 16 of low ones).
+struct RowGroup {
+  const uint16_t* hi;
+  const uint16_t* lo;
+};
+
+inline RowGroup row_group(const Args& p, int m0, const uint16_t* tail) {
+  const int64_t at = (int64_t)m0 * p.K;
+  if (m0 + kGroup <= p.M) return {p.a + at, p.a_lo ? p.a_lo + at : nullptr};
+  return {tail, tail + kGroup * p.K};
+}
+
+// Writes tile `t`'s sums, rows m0 .. and columns n0 .., where the output has them.
+#define LM_STORE_SUMS(t, m0, n0)                                                  \
+  do {                                                                            \
+    alignas(64) float sums[kGroup][kGroup];                                       \
+    _tile_stored(t, sums, 64);                                                    \
+    for (int i = 0; i < kGroup && (m0) + i < p.M; ++i)                            \
+      for (int j = 0; j < kGroup && (n0) + j < p.N; ++j) store(p, (m0) + i, (n0) + j, sums[i][j]); \
+  } while (0)
+
+// Every strip of 32 columns on this thread's share: its weights put in tile layout once, then
+// every row group multiplied against them, block by block. A macro's tile numbers: GCC's tile
+// intrinsics paste them into the assembly.
+template <int BITS>
+void tile_strips(const Args& p, const uint16_t* tail) {
+  const int G = p.K / 32, strips = (p.N + 2 * kGroup - 1) / (2 * kGroup);
+  const int64_t a_stride = (int64_t)p.K * 2;
+  thread_local std::vector<uint16_t> weights;
+  weights.resize((size_t)2 * G * kTileElems);
+#pragma omp for schedule(static)
+  for (int s = 0; s < strips; ++s) {
+    const int n0 = s * 2 * kGroup, groups = p.N - n0 > kGroup ? 2 : 1;
+    tile_weights<BITS>(p, n0, groups, weights.data());
+    asm volatile("" ::: "memory");  // the weights are in memory before the tiles read them
+    const uint16_t* w0 = weights.data();
+    const uint16_t* w1 = w0 + (int64_t)G * kTileElems;
+    // Two row groups at a time with bf16 activations; one with float32's two halves.
+    for (int m0 = 0; m0 < p.M; m0 += p.a_lo ? kGroup : 2 * kGroup) {
+      const RowGroup r0 = row_group(p, m0, tail);
+      const bool two_rows = !p.a_lo && m0 + kGroup < p.M, two_cols = groups == 2;
+      const RowGroup r1 = two_rows ? row_group(p, m0 + kGroup, tail) : r0;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int g = 0; g < G; ++g) {
+        _tile_loadd(6, w0 + (int64_t)g * kTileElems, 64);
+        if (two_cols) _tile_loadd(7, w1 + (int64_t)g * kTileElems, 64);
+        _tile_loadd(4, r0.hi + g * 32, a_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_cols) _tile_dpbf16ps(1, 4, 7);
+        if (p.a_lo) {
+          _tile_loadd(5, r0.lo + g * 32, a_stride);
+          _tile_dpbf16ps(0, 5, 6);
+          if (two_cols) _tile_dpbf16ps(1, 5, 7);
+        } else if (two_rows) {
+          _tile_loadd(5, r1.hi + g * 32, a_stride);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two_cols) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      LM_STORE_SUMS(0, m0, n0);
+      if (two_cols) LM_STORE_SUMS(1, m0, n0 + kGroup);
+      if (two_rows) {
+        LM_STORE_SUMS(2, m0 + kGroup, n0);
+        if (two_cols) LM_STORE_SUMS(3, m0 + kGroup, n0 + kGroup);
+      }
+    }
+  }
+}
+#undef LM_STORE_SUMS
+
+void tile_gemm(const Args& p, int bits) {
+  std::vector<uint16_t> tail;  // the last rows, when fewer than 16, zero-padded (see row_group)
+  const int whole = p.M / kGroup * kGroup;
+  if (whole < p.M) {
+    tail.assign((size_t)2 * kGroup * p.K, 0);
+    const int64_t n = (int64_t)(p.M - whole) * p.K;
+    std::copy(p.a + (int64_t)whole * p.K, p.a + (int64_t)whole * p.K + n, tail.begin());
+    if (p.a_lo) std::copy(p.a_lo + (int64_t)whole * p.K, p.a_lo + (int64_t)whole * p.K + n, tail.begin() + kGroup * p.K);
+  }
+#pragma omp parallel
+  {
+    amx_configure(kTiles);
+    if (bits == 4)
+      tile_strips<4>(p, tail.data());
+    else if (bits == 8)
+      tile_strips<8>(p, tail.data());
+    else
+      tile_strips<16>(p, tail.data());
+    _tile_release();
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -193,12 +354,35 @@ void lm_block_gemm(const void* a, int a_f32, const uint8_t* codes, const float* 
     p.a = hi.data();
     p.a_lo = lo.data();
   }
+#if LM_AMX
+  if (use_tiles && amx_ready()) return tile_gemm(p, bits);
+#endif
   if (bits == 4)
     gemm<4>(p);
   else if (bits == 8)
     gemm<8>(p);
   else
     gemm<16>(p);
+}
+
+// Whether this build multiplies on AMX tiles in this process (an "amx" build that Linux granted
+// the tile state, tiles not turned off).
+int lm_block_gemm_tiles() {
+#if LM_AMX
+  return use_tiles && amx_ready();
+#else
+  return 0;
+#endif
+}
+
+// Turns the tiles off (0) or back on in an "amx" build, for comparing them with the vector path
+// in one process (tests/native/isa_harness.cpp).
+void lm_block_gemm_use_tiles(int on) {
+#if LM_AMX
+  use_tiles = on != 0;
+#else
+  (void)on;
+#endif
 }
 
 // The same with its arguments as 64-bit words, in order, for call lists (call_list.cpp).

@@ -61,14 +61,16 @@ class Isa:
 
 
 # Best first. AMX is AVX-512 plus the tile instructions of Sapphire Rapids on, in the kernels
-# that have a tile path (LM_AMX); only on request so far, as its int8 matmul is slower than
-# AVX-512's on 4-bit weights (docs/performance.md). AVX-512 builds for the CPU itself (its VNNI, BF16 and
+# that have a tile path (LM_AMX: the int8 matmul's TDPBSUD, the same bits; the bf16 matmul's
+# TDPBF16PS, other last bits); only on request so far, as its int8 matmul is slower than
+# AVX-512's on 4-bit weights and its bf16 one is not measured yet (docs/performance.md). AVX-512 builds for the CPU itself (its VNNI, BF16 and
 # tuning) without tiles; AVX2 for the x86-64 v3 level (Haswell, Zen 1 on), with AVX-VNNI where
 # present; NEON for ARMv8.2 with dot products.
 _AVX512_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 ISAS = [
-    Isa("amx", "x86_64", (*_AVX512_NEEDS, "amx_tile", "amx_int8"),
-        ("-march=native", "-mamx-tile", "-mamx-int8", "-DLM_AMX=1"), extends="avx512", default=False),
+    Isa("amx", "x86_64", (*_AVX512_NEEDS, "amx_tile", "amx_int8", "amx_bf16"),
+        ("-march=native", "-mamx-tile", "-mamx-int8", "-mamx-bf16", "-DLM_AMX=1"), extends="avx512",
+        default=False),
     Isa("avx512", "x86_64", _AVX512_NEEDS, ("-march=native",)),
     Isa("avx2", "x86_64", ("avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"),
         ("-march=x86-64-v3", "-mtune=native")),
@@ -224,6 +226,8 @@ def why_unavailable(name: str) -> Optional[str]:
 KERNEL_OPS = {"int8_gemm": "int8-activation matmuls", "block_gemm": "block and bf16 matmuls",
               "dense_gemm": "float32 matmuls", "paged_attention": "attention", "fused_ops": "norm and SiLU",
               "ssm_decode": "recurrent decode", "shm_all_reduce": "tensor-parallel all-reduce"}
+# What the kernels with a tile path (``lmserve-isa: amx``) multiply on AMX tiles.
+AMX_TILE_OPS = "int8-activation matmuls of 16 rows or more, block and bf16 matmuls"
 
 
 def describe_kernels() -> str:
@@ -236,6 +240,8 @@ def describe_kernels() -> str:
     isa = selected_isa()
     runs = ", ".join(i.name for i in supported_isas()) or "none of " + ", ".join(i.name for i in ISAS)
     head = f"{isa.name if isa else 'none'} (this CPU runs {runs}; {ISA_ENV} chooses)"
+    if isa is not None and "amx_tile" in isa.needs:
+        head += f"; AMX tiles: {AMX_TILE_OPS}"
     reasons = {op: why_unavailable(name) for name, op in KERNEL_OPS.items()}
     native = [op for op, reason in reasons.items() if reason is None]
     torch_ops = [f"{op} ({reason})" for op, reason in reasons.items() if reason is not None]

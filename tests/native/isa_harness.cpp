@@ -16,6 +16,8 @@ void lm_int8_gemm(const void* a, int a_f32, const uint8_t* codes, const void* co
 int lm_int8_gemm_tiles();
 void lm_block_gemm(const void* a, int a_f32, const uint8_t* codes, const float* consts, void* c,
                    int out_bf16, int M, int N, int K, int bits, int threads);
+int lm_block_gemm_tiles();
+void lm_block_gemm_use_tiles(int on);
 void lm_dense_gemm(const float* a, const float* w, float* c, int M, int N, int K, int threads);
 void lm_add_rms_norm(float* x, const void* delta, int delta_bf16, const float* weight, float eps,
                      void* out, int out_bf16, int T, int D, int threads);
@@ -134,11 +136,31 @@ void int8_cases() {
       }
 }
 
+// Every row of `c` (M x N, computed by `gemm` over all M rows) the same bits when computed alone.
+template <typename Gemm>
+void check_rows_alone(const char* what, const std::vector<float>& c, int M, int N, Gemm gemm) {
+  for (int m = 0; m < M; ++m) {
+    std::vector<float> alone(N);
+    gemm(m, alone.data());
+    if (memcmp(alone.data(), c.data() + (size_t)m * N, N * 4) != 0) {
+      fprintf(stderr, "%s: row %d of %d differs alone\n", what, m, M);
+      ++failures;
+      return;
+    }
+  }
+}
+
+// bf16 products within float32 rounding of the float64 reference, each row alone as in the
+// batch. Where the build has tiles they are checked so too, and the vector path's outputs are
+// the ones written out (the tiles' sums are other last bits; kernels/block_gemm.cpp).
+// N = 40: a strip of two column groups and one of one; M = 16: one whole row group; 20, 37: two
+// at a time, the last rows zero-padded (and on vector tiles: 4 x 4 for up to 4 rows, else 8 x 2
+// and the rest).
 void block_cases() {
-  const int N = 20, K = 64;
+  const int N = 40, K = 96;
   for (int bits : {4, 8, 16})
     for (int a_f32 : {0, 1})
-      for (int M : {1, 5, 9}) {
+      for (int M : {1, 5, 16, 20, 37}) {
         std::vector<uint8_t> codes = random_bytes((size_t)N * K * bits / 8);
         if (bits == 16)  // bf16 weights of moderate size: exponents near 1
           for (size_t i = 1; i < codes.size(); i += 2) codes[i] = 0x3c + (codes[i] & 3);
@@ -151,17 +173,28 @@ void block_cases() {
           memcpy(&u, &r, 4);
           a_bf16[i] = (uint16_t)(u >> 16);
         }
-        std::vector<float> c((size_t)M * N);
-        lm_block_gemm(a_f32 ? (const void*)a.data() : (const void*)a_bf16.data(), a_f32, codes.data(),
-                      consts.data(), c.data(), 0, M, N, K, bits, 2);
+        auto gemm = [&](int m0, int rows, float* c) {
+          const void* x = a_f32 ? (const void*)(a.data() + (size_t)m0 * K) : (const void*)(a_bf16.data() + (size_t)m0 * K);
+          lm_block_gemm(x, a_f32, codes.data(), consts.data(), c, 0, rows, N, K, bits, 2);
+        };
         std::vector<double> ref((size_t)M * N);
         for (int m = 0; m < M; ++m)
           for (int n = 0; n < N; ++n)
             for (int k = 0; k < K; ++k)
               ref[m * N + n] += (a_f32 ? a[m * K + k] : bf16_round(a[m * K + k])) *
                                 block_weight(codes, consts, bits, K, n, k);
-        check("block_gemm", c, ref, a_f32 ? 2e-4 : 1e-5);
-        emit(c.data(), c.size() * 4);
+        const bool tiles = lm_block_gemm_tiles();
+        for (int on : {1, 0}) {
+          if (!on && !tiles) continue;  // no tiles: the first pass was the vector path
+          lm_block_gemm_use_tiles(on);
+          std::vector<float> c((size_t)M * N);
+          gemm(0, M, c.data());
+          const char* what = on && tiles ? "block_gemm on tiles" : "block_gemm";
+          check(what, c, ref, a_f32 ? 2e-4 : 1e-5);
+          check_rows_alone(what, c, M, N, [&](int m, float* out) { gemm(m, 1, out); });
+          if (!on || !tiles) emit(c.data(), c.size() * 4);
+        }
+        lm_block_gemm_use_tiles(1);
       }
 }
 
@@ -228,6 +261,7 @@ void fused_cases() {
 
 int main() {
   fprintf(stderr, "int8_gemm tiles: %s\n", lm_int8_gemm_tiles() ? "on" : "off");
+  fprintf(stderr, "block_gemm tiles: %s\n", lm_block_gemm_tiles() ? "on" : "off");
   int8_cases();
   block_cases();
   dense_cases();
