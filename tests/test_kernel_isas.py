@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -244,6 +245,16 @@ HARNESS_BUILDS = [
 ]
 
 
+def compile_all(commands: list[list[str]]) -> None:
+    """Runs the compiler ``commands``, as many at once as there are cores (compiling is most of
+    these tests' time)."""
+    def compile_one(command: list[str]) -> None:
+        subprocess.run(command, check=True, capture_output=True, timeout=600)
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(compile_one, commands))
+
+
 def run_harness(harness: str, kernels: list[str], tmp_path, tile_builds: bool = False
                 ) -> dict[str, subprocess.CompletedProcess]:
     """tests/native/``harness``.cpp with ``kernels`` built and run for every ISA this machine
@@ -256,13 +267,15 @@ def run_harness(harness: str, kernels: list[str], tmp_path, tile_builds: bool = 
     assert not missing, f"CI must have {', '.join(missing)} (scripts/setup.sh)"
     sources = [os.path.join(HERE, "native", f"{harness}.cpp")] + [
         os.path.join(HERE, "..", "lmserve", "kernels", f"{k}.cpp") for k in kernels]
+    builds = [(name, compiler, flags, runner, str(tmp_path / f"{harness}-{name.replace(' ', '_')}"))
+              for name, needs, compiler, flags, runner in HARNESS_BUILDS
+              # not an x86 ISA this CPU lacks, nor tiles the kernels don't use
+              if (needs is None or needs in ISAS) and (tile_builds or not name.startswith("amx"))]
+
+    compile_all([[compiler, "-O2", "-fopenmp", "-std=c++17", *flags, *sources, "-o", binary]
+                 for _, compiler, flags, _, binary in builds])
     runs = {}
-    for name, needs, compiler, flags, runner in HARNESS_BUILDS:
-        if (needs is not None and needs not in ISAS) or (name.startswith("amx") and not tile_builds):
-            continue  # an x86 ISA this CPU lacks, or tiles the kernels don't use
-        binary = str(tmp_path / f"{harness}-{name.replace(' ', '_')}")
-        subprocess.run([compiler, "-O2", "-fopenmp", "-std=c++17", *flags, *sources, "-o", binary],
-                       check=True, capture_output=True, timeout=600)
+    for name, _, _, runner, binary in builds:
         runs[name] = subprocess.run([*runner, binary], capture_output=True, timeout=600)
         assert runs[name].returncode == 0, f"{name}: {runs[name].stderr.decode()}"
     assert len(runs) >= 3
@@ -303,8 +316,6 @@ def test_every_kernel_compiles_for_arm64(tmp_path):
     list) build for Arm64 too."""
     if shutil.which("aarch64-linux-gnu-g++") is None and not os.environ.get("CI"):
         pytest.skip("aarch64-linux-gnu-g++ not installed (scripts/setup.sh installs it as root)")
-    for name in KERNELS:
-        source = os.path.join(HERE, "..", "lmserve", "kernels", f"{name}.cpp")
-        subprocess.run(["aarch64-linux-gnu-g++", "-O1", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
-                        "-march=armv8.2-a+dotprod", source, "-o", str(tmp_path / f"{name}.so")],
-                       check=True, capture_output=True, timeout=600)
+    compile_all([["aarch64-linux-gnu-g++", "-O1", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
+                  "-march=armv8.2-a+dotprod", os.path.join(HERE, "..", "lmserve", "kernels", f"{name}.cpp"),
+                  "-o", str(tmp_path / f"{name}.so")] for name in KERNELS])
