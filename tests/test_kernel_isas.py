@@ -118,8 +118,10 @@ def test_this_cpu_runs_more_than_one_isa():
         assert "avx2" in ISAS
 
 
-# The layer outputs of the bf16 kernel (float32 or bfloat16 activations, bf16 weights): on AMX
-# tiles their sums are TDPBF16PS's, other last bits than the vector path's (kernels/block_gemm.cpp).
+# The layer outputs of the bf16 kernel (float32 or bfloat16 activations, or bf16 weights): on
+# AMX tiles their sums are TDPBF16PS's, other last bits than the vector path's
+# (kernels/block_gemm.cpp). The built-in model's matmuls take that kernel at O1 only (its blocks
+# are Q4_1 and Q8_0, which O2 and O3 multiply in the int8 kernel).
 def on_bf16_kernel(name: str) -> bool:
     return name == "bf16 weights" or " float32 m=" in name or " bfloat16 m=" in name
 
@@ -132,13 +134,15 @@ def amx_tiles_run(isa: str) -> bool:
 def test_every_isa_gives_the_best_isas_bits(outputs):
     """The int8 matmul's integer dot products, the bf16 pair products (FMAs where vdpbf16ps is
     missing), the float32 matmul's FMAs, the reductions in one order and the exp polynomial: the
-    same bits on every ISA; the bf16 kernel on AMX tiles within a bf16 rounding of them."""
+    same bits on every ISA; the bf16 kernel on AMX tiles within float32's rounding of them (a
+    bf16 step for bf16 outputs)."""
     best = outputs[ISAS[0]]
     for isa in ISAS[1:]:
         for name, value in best.items():
-            if amx_tiles_run(isa) and on_bf16_kernel(name):
-                err = (outputs[isa][name].float() - value.float()).abs().max()
-                assert err <= 1e-2 * value.float().abs().max(), f"{name} on {isa}: {err}"
+            if amx_tiles_run(isa) and on_bf16_kernel(name):  # float32 rounding, or a bf16 step
+                got, want = outputs[isa][name].float(), value.float()
+                allowed = 1e-5 * want.abs().max() + (want.abs() * 2**-7 if value.dtype == torch.bfloat16 else 0)
+                assert ((got - want).abs() <= allowed).all(), f"{name} on {isa}"
             else:
                 assert torch.equal(outputs[isa][name], value), f"{name} on {isa}"
 
@@ -287,7 +291,8 @@ def test_every_build_matches_a_scalar_reference_and_each_others_bits(tmp_path):
     under qemu-user): each within its stated tolerance of a plain scalar reference written from the
     layouts (int8 activations: 3e-2 of the output scale for one digit, 3e-4 for two; bf16
     matmul: 1e-5 with bf16 activations, 2e-4 with float32 ones; float32 matmul 1e-6; norm 1e-5;
-    SiLU 1e-6), every matmul row the same bits alone as in a batch, and all with the same bits.
+    SiLU 1e-6), every bf16 and float32 matmul row (the first and last int8 one) the same bits
+    alone as in a batch, and all with the same bits.
     The AMX build multiplies on tiles where the CPU has them, and runs on any AVX-512 CPU:
     without tiles it takes its vector paths; the emulated tiles' build runs its tile paths
     everywhere. The bf16 matmul's tiles sum in another order (TDPBF16PS): they are held to the

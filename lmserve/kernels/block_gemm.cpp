@@ -186,7 +186,8 @@ void gemm(const Args& p) {
 // of two row groups (or of one group's two bf16 halves, for float32 activations); 6, 7 a block
 // of two column groups' weights as the instruction takes them: row j holds each column's pair j
 // (elements 2j and 2j + 1), so a block of 16 weight rows is a 16 x 16 transpose of 32-bit pairs.
-constexpr TileShape kTiles[8] = {{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}};
+// Fewer than 16 rows in all (decode) configure the sum and activation tiles with that many rows:
+// each output's arithmetic is the same in a tile of any height.
 constexpr int kGroup = 16;                // rows or columns a tile holds
 constexpr int kTileElems = kGroup * 32;   // bf16 elements of a tile (1 KiB)
 bool use_tiles = true;
@@ -233,8 +234,9 @@ void tile_weights(const Args& p, int n0, int groups, uint16_t* out) {
     }
 }
 
-// Rows m0 .. m0+15 of the activations: in place when all exist, else the zero-padded copy of
-// the last rows, `tail` (16 rows of high halves, then 16 of low ones).
+// Rows m0 .. m0+15 of the activations (all of them when fewer than 16: the tiles are that
+// high): in place when all exist, else the zero-padded copy of the last rows, `tail` (16 rows of
+// high halves, then 16 of low ones for float32 activations).
 struct RowGroup {
   const uint16_t* hi;
   const uint16_t* lo;
@@ -242,7 +244,7 @@ struct RowGroup {
 
 inline RowGroup row_group(const Args& p, int m0, const uint16_t* tail) {
   const int64_t at = (int64_t)m0 * p.K;
-  if (m0 + kGroup <= p.M) return {p.a + at, p.a_lo ? p.a_lo + at : nullptr};
+  if (m0 + kGroup <= p.M || p.M < kGroup) return {p.a + at, p.a_lo ? p.a_lo + at : nullptr};
   return {tail, tail + kGroup * p.K};
 }
 
@@ -308,17 +310,20 @@ void tile_strips(const Args& p, const uint16_t* tail) {
 #undef LM_STORE_SUMS
 
 void tile_gemm(const Args& p, int bits) {
-  std::vector<uint16_t> tail;  // the last rows, when fewer than 16, zero-padded (see row_group)
+  std::vector<uint16_t> tail;  // the last rows of 16 or more, zero-padded (see row_group)
   const int whole = p.M / kGroup * kGroup;
-  if (whole < p.M) {
-    tail.assign((size_t)2 * kGroup * p.K, 0);
-    const int64_t n = (int64_t)(p.M - whole) * p.K;
-    std::copy(p.a + (int64_t)whole * p.K, p.a + (int64_t)whole * p.K + n, tail.begin());
-    if (p.a_lo) std::copy(p.a_lo + (int64_t)whole * p.K, p.a_lo + (int64_t)whole * p.K + n, tail.begin() + kGroup * p.K);
+  if (whole < p.M && whole > 0) {
+    tail.assign((size_t)(p.a_lo ? 2 : 1) * kGroup * p.K, 0);
+    const int64_t at = (int64_t)whole * p.K, n = (int64_t)(p.M - whole) * p.K;
+    std::copy(p.a + at, p.a + at + n, tail.begin());
+    if (p.a_lo) std::copy(p.a_lo + at, p.a_lo + at + n, tail.begin() + kGroup * p.K);
   }
+  const uint8_t rows = p.M < kGroup ? p.M : kGroup;
+  const TileShape tiles[8] = {{rows, 64}, {rows, 64}, {rows, 64}, {rows, 64}, {rows, 64}, {rows, 64},
+                              {kGroup, 64}, {kGroup, 64}};
 #pragma omp parallel
   {
-    amx_configure(kTiles);
+    amx_configure(tiles);
     if (bits == 4)
       tile_strips<4>(p, tail.data());
     else if (bits == 8)
