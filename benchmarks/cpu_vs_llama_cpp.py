@@ -12,7 +12,9 @@ numbers are medians of ``--repeats`` runs.
 Each engine runs in its own process: both use OpenMP, and sharing one process would give
 OpenMP more worker threads than cores.
 
-    .venv/bin/python benchmarks/cpu_vs_llama_cpp.py [--opt O2 --opt O3] [--repeats 5]
+    .venv/bin/python benchmarks/cpu_vs_llama_cpp.py [--opt O2 --opt O3] [--repeats 5] [--model FILE.gguf]
+
+(the built-in model unless ``--model`` names another GGUF file).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ def _prompt(tokenizer_vocab: int, n: int, seed: int) -> list[int]:
     return [rng.randrange(100, tokenizer_vocab - 100) for _ in range(n)]
 
 
-def lmserve_run(opt: str, prompt_len: int, decode: int, repeats: int) -> tuple[float, float]:
+def lmserve_run(model: str, opt: str, prompt_len: int, decode: int, repeats: int) -> tuple[float, float]:
     """(prefill tokens/s, decode tokens/s) of one stream."""
-    engine = Engine(opt=opt, prefix_cache_mode="disable", verbose=False)
+    engine = Engine(model, opt=opt, prefix_cache_mode="disable", verbose=False)
     vocab = engine._core.args.vocab_size
     prefill, decoding = [], []
     for r in range(repeats + 1):  # the first run warms up
@@ -60,15 +62,15 @@ def lmserve_run(opt: str, prompt_len: int, decode: int, repeats: int) -> tuple[f
     return statistics.median(prefill), statistics.median(decoding)
 
 
-def llama_cpp_run(prompt_len: int, decode: int, repeats: int, vocab: int) -> tuple[float, float]:
+def llama_cpp_run(model: str, prompt_len: int, decode: int, repeats: int) -> tuple[float, float]:
     from llama_cpp import Llama
 
     threads = torch.get_num_threads()
-    llm = Llama(model_path=builtin_model_path(), n_ctx=2048, n_batch=512, n_threads=threads,
+    llm = Llama(model_path=model, n_ctx=2048, n_batch=512, n_threads=threads,
                 n_threads_batch=threads, verbose=False)
     prefill, decoding = [], []
     for r in range(repeats + 1):
-        ids = _prompt(vocab, prompt_len, seed=r)
+        ids = _prompt(llm.n_vocab(), prompt_len, seed=r)
         llm.reset()
         # Only llama.cpp's own work is timed (eval); the greedy pick from its logits is not,
         # so llama-cpp-python's Python overhead never counts against it.
@@ -95,7 +97,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the built-in model)")
     args = ap.parse_args()
+    model = args.model or builtin_model_path()
     opts = args.opt or ["O2"]
 
     def in_process(fn, *fn_args):
@@ -104,13 +108,14 @@ def main() -> None:
             return pool.submit(fn, *fn_args).result()
 
     rows = []
-    lp, ld = in_process(llama_cpp_run, args.prompt_len, args.decode, args.repeats, 49152)
+    lp, ld = in_process(llama_cpp_run, model, args.prompt_len, args.decode, args.repeats)
     rows.append((f"llama.cpp ({os.environ.get('LLAMA_CPP_LIB_PATH', 'llama-cpp-python')})", lp, ld))
     for opt in opts:
-        p, d = in_process(lmserve_run, opt, args.prompt_len, args.decode, args.repeats)
+        p, d = in_process(lmserve_run, model, opt, args.prompt_len, args.decode, args.repeats)
         rows.append((f"lmserve opt={opt}", p, d))
 
-    print(f"\nbuilt-in SmolLM2-135M Q4_1, {torch.get_num_threads()} threads, "
+    name = "built-in SmolLM2-135M Q4_1" if args.model is None else os.path.basename(model)
+    print(f"\n{name}, {torch.get_num_threads()} threads, "
           f"prefill {args.prompt_len} tokens, decode {args.decode} tokens, median of {args.repeats}")
     print(f"{'engine':32} {'prefill tok/s':>14} {'x llama.cpp':>12} {'decode tok/s':>13} {'x llama.cpp':>12}")
     for name, p, d in rows:

@@ -12,6 +12,9 @@ import torch
 
 from lmserve import AsyncEngine, Engine, SamplingParams
 from lmserve.engine.async_engine import _Mailbox
+from lmserve.layers.blocks import BlockWeight
+from lmserve.layers.linear import BlockLinear, int8_kernel_unavailable
+from lmserve.models.loader import load_weights
 from tiny_models import make_gguf_llama, make_hf_llama
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -176,3 +179,32 @@ def test_other_llama_models_load_and_match_transformers(tmp_path, form):
             assert got == _hf_greedy(ref.eval(), p, 12)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.skipif(int8_kernel_unavailable() is not None, reason="needs the C++ int8 kernel")
+def test_a_q4_k_file_keeps_its_blocks_and_the_default_level_multiplies_them(tmp_path):
+    """Q4_K matrices (most of a Q4_K_M file) stay the file's blocks, exactly its weights, and O2
+    multiplies them in the int8 kernel as it does Q4_1 (not as bf16 copies): it scores a prompt
+    as O0 does on the same file, to within its activations' rounding."""
+    path = make_gguf_llama(str(tmp_path / "m.gguf"), qtype="Q4_K", num_layers=2, hidden_size=256,
+                           intermediate_size=512, num_heads=4, num_kv_heads=2, seed=5)
+    dense, blocks = load_weights(path), load_weights(path, keep_blocks=True)
+    matrices = [name for name, w in dense.items() if w.dim() == 2]
+    assert len(matrices) == 2 * 7 + 2
+    for name in matrices:
+        assert isinstance(blocks[name], BlockWeight) and torch.equal(blocks[name].dequantize(), dense[name])
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    prompt = list(range(100, 160))
+    scores = {}
+    for opt in ("O0", "O2"):
+        engine = Engine(path, opt=opt, verbose=False)
+        try:
+            if opt == "O2":
+                layers = engine._core.runner.model.layers
+                assert all(isinstance(m, BlockLinear) and m.bits == 4 and m.digits >= 1
+                           for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            [out] = engine.generate(prompt, params)
+            scores[opt] = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+        finally:
+            engine.shutdown()
+    assert (scores["O2"] - scores["O0"]).abs().max() < 0.05

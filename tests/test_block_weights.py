@@ -33,6 +33,19 @@ def test_gguf_blocks_hold_exactly_the_files_weights(type_name):
     assert torch.equal(blocks.dequantize(), ref)  # float32 scale/zero: no re-rounding
 
 
+def test_q4_k_super_blocks_hold_exactly_the_files_weights():
+    """Q4_K's super-blocks of 256, random bytes (every pattern of the packed 6-bit scales and
+    mins, fp16 d and dmin of either sign), as blocks of 32: gguf's own dequantization exactly."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (6, 3 * 144), dtype=np.uint8)
+    constants = rng.standard_normal((6, 3, 2)).astype(np.float16)  # finite d and dmin
+    raw.reshape(6, 3, 144)[..., :4] = constants.view(np.uint8)
+    blocks = from_gguf_blocks(raw, "Q4_K", 6, 768)
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_K).reshape(6, 768))
+    assert blocks.bits == 4 and blocks.shape == (6, 768)
+    assert torch.equal(blocks.dequantize(), ref)
+
+
 def test_bf16_blocks_hold_the_bf16_weights():
     w = torch.randn(8, 64)
     assert torch.equal(BlockWeight.quantize(w, 16).dequantize(), w.bfloat16().float())

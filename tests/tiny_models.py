@@ -106,7 +106,7 @@ def make_gguf_llama(path: str, qtype: str = "F32", *, arch: str = "llama", token
                     **model_args: Any) -> str:
     """Write a random model (``random_model(arch=arch, **model_args)``) as a GGUF file.
 
-    2-D weights are stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1 or Q5_0/Q5_1), norms as
+    2-D weights are stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0/Q5_1 or Q4_K), norms as
     F32, the way llama.cpp does; q/k rows are permuted like llama.cpp's converter (llama only)
     and the tokenizer metadata is the built-in model's (``tokenizer=False`` leaves it out, which
     makes the file ~0.7 s quicker to read when a test only needs weights). Returns ``path``.
@@ -148,13 +148,35 @@ def make_gguf_llama(path: str, qtype: str = "F32", *, arch: str = "llama", token
         if array.ndim == 1 or quant == GGMLQuantizationType.F32:
             writer.add_tensor(name, array)
         else:
-            writer.add_tensor(name, quantize(array, quant), raw_dtype=quant)
+            raw = quantize_q4_k(array) if quant == GGMLQuantizationType.Q4_K else quantize(array, quant)
+            writer.add_tensor(name, raw, raw_dtype=quant)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return str(path)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """``w`` (rows, cols a multiple of 256) as Q4_K bytes (rows, cols / 256 * 144), which gguf
+    cannot write: per block of 32 a min/max 4-bit grid (the min at most 0, as the format's mins
+    subtract), its scale and min rounded to 6-bit multiples of the super-block's fp16 d and dmin."""
+    rows, cols = w.shape
+    blocks = w.astype(np.float32).reshape(rows, cols // 256, 8, 32)
+    low = np.minimum(blocks.min(-1), 0)  # (R, S, 8)
+    step = (blocks.max(-1) - low) / 15
+    d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (-low.min(-1, keepdims=True) / 63).astype(np.float16)
+    sc = np.clip(np.round(step / np.maximum(d.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-low / np.maximum(dmin.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
+    scale, zero = d.astype(np.float32) * sc, -dmin.astype(np.float32) * m
+    q = np.clip(np.round((blocks - zero[..., None]) / np.maximum(scale[..., None], 1e-30)), 0, 15).astype(np.uint8)
+    packed = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6), (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)  # (R, S, 12)
+    runs = q[..., 0::2, :] | (q[..., 1::2, :] << 4)  # (R, S, 4, 32): blocks 2j and 2j+1
+    return np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, runs.reshape(rows, -1, 128)],
+                          axis=-1).reshape(rows, -1)
 
 
 _RECURRENT = {"mamba": (MambaConfig, MambaForCausalLM), "mamba2": (Mamba2Config, Mamba2ForCausalLM),

@@ -1,4 +1,5 @@
-"""Weights in blocks of 32 along the input dimension, as GGUF's Q4_0, Q4_1 and Q8_0 store them.
+"""Weights in blocks of 32 along the input dimension, as GGUF's Q4_0, Q4_1 and Q8_0 store them
+(and Q4_K, whose sub-blocks of 32 are Q4_1 blocks once their constants are multiplied out).
 
 A ``BlockWeight`` keeps the file's own codes (4-bit or 8-bit) with one float32 scale and zero per
 block, ``w = code * scale + zero``. GGUF's fp16 block constants convert to float32 exactly, so
@@ -88,11 +89,13 @@ _GGUF_LAYOUTS = {"Q4_0": (2, False, 4), "Q4_1": (4, True, 4), "Q8_0": (2, False,
 
 def gguf_block_types() -> set[str]:
     """Names of the GGUF types kept as blocks."""
-    return set(_GGUF_LAYOUTS)
+    return {*_GGUF_LAYOUTS, "Q4_K"}
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> BlockWeight:
     """A BlockWeight from a GGUF tensor's raw bytes ``(rows, bytes per row)``."""
+    if type_name == "Q4_K":
+        return _from_q4_k(raw, rows, cols)
     header, has_min, bits = _GGUF_LAYOUTS[type_name]
     code_bytes = BLOCK * bits // 8
     blocks = torch.from_numpy(np.array(raw))  # copy: the memmap is read-only
@@ -105,3 +108,29 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> B
     if bits == 4:  # Q4_0: w = d * (q - 8)
         return BlockWeight(codes, scale, -8 * scale, 4)
     return BlockWeight(codes, scale, None, 8)  # Q8_0: w = d * q
+
+
+Q4_K_SUPER = 256  # weights of a Q4_K super-block: 8 blocks of 32
+_Q4_K_BYTES = 144  # fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of 4-bit codes
+
+
+def _from_q4_k(raw: np.ndarray, rows: int, cols: int) -> BlockWeight:
+    """Q4_K (llama.cpp's k-quant, most of a Q4_K_M file) as blocks of 32. A super-block of 256
+    holds fp16 ``d`` and ``dmin`` and, per block of 32, a 6-bit scale ``sc`` and min ``m``:
+    ``w = d * sc * q - dmin * m``, a Q4_1 block with scale ``d * sc`` and zero ``-dmin * m``, both
+    exact in float32 (an fp16 times a 6-bit integer)."""
+    supers = torch.from_numpy(np.array(raw)).reshape(rows, cols // Q4_K_SUPER, _Q4_K_BYTES)
+    d = supers[..., 0:2].contiguous().view(torch.float16).float()  # (N, S, 1)
+    dmin = supers[..., 2:4].contiguous().view(torch.float16).float()
+    # Bytes 0-3: scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; 4-7: the same for the
+    # mins; 8-11: the low 4 bits of scales 4-7 (low nibble) and of mins 4-7 (high nibble).
+    packed = supers[..., 4:16].to(torch.int32)
+    sc_lo, m_lo, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([sc_lo & 63, (rest & 15) | ((sc_lo >> 2) & 48)], dim=-1)  # (N, S, 8)
+    m = torch.cat([m_lo & 63, (rest >> 4) | ((m_lo >> 2) & 48)], dim=-1)
+    # Codes: 4 runs of 32 bytes, run j holding block 2j in its low nibbles and 2j+1 in its high.
+    runs = supers[..., 16:].reshape(rows, -1, 4, 1, 32)
+    q = torch.cat([runs & 15, runs >> 4], dim=3).reshape(rows, -1, BLOCK)  # (N, G, 32) in order
+    codes = q[..., :16] | (q[..., 16:] << 4)
+    scale, zero = (d * sc).reshape(rows, -1), -(dmin * m).reshape(rows, -1)
+    return BlockWeight(codes.contiguous(), scale.contiguous(), zero.contiguous(), 4)
