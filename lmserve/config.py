@@ -37,7 +37,7 @@ class OptFlags:
     """The optimisation knobs an ``opt`` string resolves to."""
 
     # How matmul weights are held: float32/float16 dense (torch matmul); bfloat16 in the block
-    # kernel; "native" keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K blocks as they are (other
+    # kernel; "native" keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q4_K blocks as they are (other
     # weights bfloat16); "int4"/"int8" round every weight to 32-wide blocks of that many bits.
     weight_dtype: WeightFormat = "float32"
     # dtype of the paged KV cache. int8 stores each key and value as codes with a float scale per

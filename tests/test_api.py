@@ -182,11 +182,13 @@ def test_other_llama_models_load_and_match_transformers(tmp_path, form):
 
 
 @pytest.mark.skipif(int8_kernel_unavailable() is not None, reason="needs the C++ int8 kernel")
-def test_a_q4_k_file_keeps_its_blocks_and_the_default_level_multiplies_them(tmp_path):
-    """Q4_K matrices (most of a Q4_K_M file) stay the file's blocks, exactly its weights, and O2
-    multiplies them in the int8 kernel as it does Q4_1 (not as bf16 copies): it scores a prompt
-    as O0 does on the same file, to within its activations' rounding."""
-    path = make_gguf_llama(str(tmp_path / "m.gguf"), qtype="Q4_K", num_layers=2, hidden_size=256,
+@pytest.mark.parametrize("qtype, bits", [("Q4_K", 4), ("Q5_0", 8)])
+def test_k_quant_files_keep_their_blocks_and_the_default_level_multiplies_them(tmp_path, qtype, bits):
+    """Q4_K matrices (most of a Q4_K_M file) and Q5_0 ones (what such files hold where a width is
+    no multiple of 256) stay the file's blocks, exactly its weights, and O2 multiplies them in
+    the int8 kernel as it does Q4_1 and Q8_0 (not as bf16 copies): it scores a prompt as O0 does
+    on the same file, to within its activations' rounding."""
+    path = make_gguf_llama(str(tmp_path / "m.gguf"), qtype=qtype, num_layers=2, hidden_size=256,
                            intermediate_size=512, num_heads=4, num_kv_heads=2, seed=5)
     dense, blocks = load_weights(path), load_weights(path, keep_blocks=True)
     matrices = [name for name, w in dense.items() if w.dim() == 2]
@@ -201,7 +203,7 @@ def test_a_q4_k_file_keeps_its_blocks_and_the_default_level_multiplies_them(tmp_
         try:
             if opt == "O2":
                 layers = engine._core.runner.model.layers
-                assert all(isinstance(m, BlockLinear) and m.bits == 4 and m.digits >= 1
+                assert all(isinstance(m, BlockLinear) and m.bits == bits and m.digits >= 1
                            for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
             [out] = engine.generate(prompt, params)
             scores[opt] = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])

@@ -14,7 +14,7 @@ needs_kernel = pytest.mark.skipif(block_kernel_unavailable() is not None,
                                   reason=f"C++ kernel unavailable: {block_kernel_unavailable()}")
 needs_int8_kernel = pytest.mark.skipif(int8_kernel_unavailable() is not None,
                                        reason=f"C++ int8 kernel unavailable: {int8_kernel_unavailable()}")
-GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q5_0"]
 
 
 def gguf_tensor(type_name: str, n: int, k: int, seed: int = 0):
@@ -29,7 +29,7 @@ def gguf_tensor(type_name: str, n: int, k: int, seed: int = 0):
 def test_gguf_blocks_hold_exactly_the_files_weights(type_name):
     raw, ref = gguf_tensor(type_name, 48, 96)
     blocks = from_gguf_blocks(raw, type_name, 48, 96)
-    assert blocks.bits == (8 if type_name == "Q8_0" else 4)
+    assert blocks.bits == (4 if type_name.startswith("Q4") else 8)
     assert torch.equal(blocks.dequantize(), ref)  # float32 scale/zero: no re-rounding
 
 

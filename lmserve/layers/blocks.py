@@ -1,5 +1,6 @@
 """Weights in blocks of 32 along the input dimension, as GGUF's Q4_0, Q4_1 and Q8_0 store them
-(and Q4_K, whose sub-blocks of 32 are Q4_1 blocks once their constants are multiplied out).
+(and Q5_0, as 8-bit codes, and Q4_K, whose sub-blocks of 32 are Q4_1 blocks once their
+constants are multiplied out).
 
 A ``BlockWeight`` keeps the file's own codes (4-bit or 8-bit) with one float32 scale and zero per
 block, ``w = code * scale + zero``. GGUF's fp16 block constants convert to float32 exactly, so
@@ -89,13 +90,15 @@ _GGUF_LAYOUTS = {"Q4_0": (2, False, 4), "Q4_1": (4, True, 4), "Q8_0": (2, False,
 
 def gguf_block_types() -> set[str]:
     """Names of the GGUF types kept as blocks."""
-    return {*_GGUF_LAYOUTS, "Q4_K"}
+    return {*_GGUF_LAYOUTS, "Q5_0", "Q4_K"}
 
 
 def from_gguf_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> BlockWeight:
     """A BlockWeight from a GGUF tensor's raw bytes ``(rows, bytes per row)``."""
     if type_name == "Q4_K":
         return _from_q4_k(raw, rows, cols)
+    if type_name == "Q5_0":
+        return _from_q5_0(raw, rows, cols)
     header, has_min, bits = _GGUF_LAYOUTS[type_name]
     code_bytes = BLOCK * bits // 8
     blocks = torch.from_numpy(np.array(raw))  # copy: the memmap is read-only
@@ -108,6 +111,18 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, rows: int, cols: int) -> B
     if bits == 4:  # Q4_0: w = d * (q - 8)
         return BlockWeight(codes, scale, -8 * scale, 4)
     return BlockWeight(codes, scale, None, 8)  # Q8_0: w = d * q
+
+
+def _from_q5_0(raw: np.ndarray, rows: int, cols: int) -> BlockWeight:
+    """Q5_0 (what llama.cpp's k-quant mixes write for matrices whose width is no multiple of 256)
+    as 8-bit blocks: fp16 ``d``, then the 32 fifth bits, then 16 bytes of low nibbles (byte i:
+    weights i and i+16); ``w = d * (q - 16)``, Q8_0's form with codes -16..15."""
+    blocks = torch.from_numpy(np.array(raw)).reshape(rows, cols // BLOCK, 22)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+    fifth = (blocks[..., 2:6].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # bit i of the 32
+    nibbles = torch.cat([blocks[..., 6:] & 15, blocks[..., 6:] >> 4], dim=-1)
+    q = (nibbles | (fifth.reshape(rows, -1, BLOCK) << 4)).to(torch.int8) - 16
+    return BlockWeight(q.view(torch.uint8).contiguous(), d.contiguous(), None, 8)
 
 
 Q4_K_SUPER = 256  # weights of a Q4_K super-block: 8 blocks of 32

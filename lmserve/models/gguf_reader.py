@@ -102,7 +102,7 @@ def read_gguf_args(path: str) -> ModelArgs:
 
 def read_gguf_weights(path: str, keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockWeight]:
     """Every weight of a GGUF file keyed by Hugging Face Llama/Qwen2 names, dequantized to float32
-    or, with ``keep_blocks``, Q4_0/Q4_1/Q8_0/Q4_K matrices kept as the file's blocks (``BlockWeight``).
+    or, with ``keep_blocks``, Q4_0/Q4_1/Q8_0/Q5_0/Q4_K matrices kept as the file's blocks (``BlockWeight``).
 
     The q/k rows that llama.cpp's converter permuted are put back, so the result equals the
     original Hugging Face checkpoint up to quantization error.

@@ -43,7 +43,7 @@ def read_model_args(model: Optional[str]) -> ModelArgs:
 
 def load_weights(model: Optional[str], keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockWeight]:
     """Load a model's weights keyed by Hugging Face Llama names: float32 tensors, except GGUF
-    block-quantized matrices (Q4_0, Q4_1, Q8_0, Q4_K) with ``keep_blocks``, which stay ``BlockWeight``."""
+    block-quantized matrices (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K) with ``keep_blocks``, which stay ``BlockWeight``."""
     path = resolve_model_path(model)
     return read_hf_weights(path) if os.path.isdir(path) else read_gguf_weights(path, keep_blocks)
 

@@ -11,7 +11,7 @@ Rank ``r`` of ``n`` holds, in every layer:
   looked up locally rather than gathered. The language-model head only on rank 0, which samples:
   the logits never cross processes, at the cost of rank 0 computing them alone.
 
-Blocks of 4-/8-bit codes (GGUF's Q4_0, Q4_1, Q8_0, Q4_K) are split as they are: rows are whole rows
+Blocks of 4-/8-bit codes (GGUF's Q4_0, Q4_1, Q8_0, Q5_0, Q4_K) are split as they are: rows are whole rows
 of blocks, columns are whole blocks, so nothing is dequantized and every ``opt`` level runs
 sharded. A column split must then fall on a block boundary (32 inputs).
 """
