@@ -171,7 +171,9 @@ def test_the_paged_head_computes_what_the_plain_one_does(target, version, draft_
         runner = core.draft_runner
         tokens = list(range(300, 340))
         n = len(tokens) - 1
-        features = torch.randn(n, (3 if version == 3 else 1) * HIDDEN)
+        # Seeded: from the global generator the draws depended on the tests run before, and the
+        # quantized levels' top-1 agreement moves about 0.9-1 from draw to draw (near-ties; 0.897 once).
+        features = torch.randn(n, (3 if version == 3 else 1) * HIDDEN, generator=torch.Generator().manual_seed(version))
         pages = list(range(3))
         first = runner.execute(StepInput([SeqStep(0, tokens[1:25], pages, 24)]), features[:24])
         second = runner.execute(StepInput([SeqStep(24, tokens[25:], pages, n - 24)]), features[24:])
