@@ -22,8 +22,8 @@ from lmserve.attention.window import AttentionWindow
 from lmserve.cache.kv import KV_DTYPES, kv_bytes_per_head
 from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
 from lmserve.engine.multi_step import MAX_RUN, RUN_SECONDS
-from lmserve.layers.linear import FLOAT_DTYPES
 from lmserve.kernels.build import describe_kernels
+from lmserve.layers.linear import FLOAT_DTYPES
 from lmserve.models.args import ModelArgs
 from lmserve.parallel.shard import check_shardable, shard_args
 from lmserve.parallel.stages import stage_layers

@@ -291,8 +291,7 @@ def test_every_build_matches_a_scalar_reference_and_each_others_bits(tmp_path):
     under qemu-user): each within its stated tolerance of a plain scalar reference written from the
     layouts (int8 activations: 3e-2 of the output scale for one digit, 3e-4 for two; bf16
     matmul: 1e-5 with bf16 activations, 2e-4 with float32 ones; float32 matmul 1e-6; norm 1e-5;
-    SiLU 1e-6), every bf16 and float32 matmul row (the first and last int8 one) the same bits
-    alone as in a batch, and all with the same bits.
+    SiLU 1e-6), every matmul row the same bits alone as in a batch, and all with the same bits.
     The AMX build multiplies on tiles where the CPU has them, and runs on any AVX-512 CPU:
     without tiles it takes its vector paths; the emulated tiles' build runs its tile paths
     everywhere. The bf16 matmul's tiles sum in another order (TDPBF16PS): they are held to the

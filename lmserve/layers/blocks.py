@@ -125,7 +125,7 @@ def _from_q5_0(raw: np.ndarray, rows: int, cols: int) -> BlockWeight:
     return BlockWeight(q.view(torch.uint8).contiguous(), d.contiguous(), None, 8)
 
 
-Q4_K_SUPER = 256  # weights of a Q4_K super-block: 8 blocks of 32
+_Q4_K_SUPER = 256  # weights of a Q4_K super-block: 8 blocks of 32
 _Q4_K_BYTES = 144  # fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 of 4-bit codes
 
 
@@ -134,7 +134,7 @@ def _from_q4_k(raw: np.ndarray, rows: int, cols: int) -> BlockWeight:
     holds fp16 ``d`` and ``dmin`` and, per block of 32, a 6-bit scale ``sc`` and min ``m``:
     ``w = d * sc * q - dmin * m``, a Q4_1 block with scale ``d * sc`` and zero ``-dmin * m``, both
     exact in float32 (an fp16 times a 6-bit integer)."""
-    supers = torch.from_numpy(np.array(raw)).reshape(rows, cols // Q4_K_SUPER, _Q4_K_BYTES)
+    supers = torch.from_numpy(np.array(raw)).reshape(rows, cols // _Q4_K_SUPER, _Q4_K_BYTES)
     d = supers[..., 0:2].contiguous().view(torch.float16).float()  # (N, S, 1)
     dmin = supers[..., 2:4].contiguous().view(torch.float16).float()
     # Bytes 0-3: scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; 4-7: the same for the

@@ -107,6 +107,20 @@ std::vector<uint8_t> random_bytes(size_t n) {
   return v;
 }
 
+// Every row of `c` (M x N, computed by `gemm` over all M rows) the same bits when computed alone.
+template <typename Gemm>
+void check_rows_alone(const char* what, const std::vector<float>& c, int M, int N, Gemm gemm) {
+  for (int m = 0; m < M; ++m) {
+    std::vector<float> alone(N);
+    gemm(m, alone.data());
+    if (memcmp(alone.data(), c.data() + (size_t)m * N, N * 4) != 0) {
+      fprintf(stderr, "%s: row %d of %d differs alone\n", what, m, M);
+      ++failures;
+      return;
+    }
+  }
+}
+
 void int8_cases() {
   const int N = 48, K = 320;  // 3 groups of 16 weight rows; 10 blocks: AMX's runs of 8, then 2
   for (int bits : {4, 8})
@@ -123,31 +137,13 @@ void int8_cases() {
           for (int n = 0; n < N; ++n)
             for (int k = 0; k < K; ++k) ref[m * N + n] += a[m * K + k] * int8_weight(codes, consts, bits, K, n, k);
         check(digits == 1 ? "int8_gemm, one digit" : "int8_gemm, two digits", c, ref, digits == 1 ? 3e-2 : 3e-4);
-        for (int m : {0, M - 1}) {  // a row alone: the same bits as in the batch
-          std::vector<float> alone(N);
-          lm_int8_gemm(a.data() + (size_t)m * K, 1, codes.data(), consts.data(), alone.data(), 0, 1, N, K, bits,
-                       digits, 0, 2);
-          if (memcmp(alone.data(), c.data() + (size_t)m * N, N * 4) != 0) {
-            fprintf(stderr, "int8_gemm: row %d of %d differs alone (bits %d, digits %d)\n", m, M, bits, digits);
-            ++failures;
-          }
-        }
+        char what[64];
+        snprintf(what, sizeof what, "int8_gemm, %d-bit codes, %d digit(s)", bits, digits);
+        check_rows_alone(what, c, M, N, [&](int m, float* out) {
+          lm_int8_gemm(a.data() + (size_t)m * K, 1, codes.data(), consts.data(), out, 0, 1, N, K, bits, digits, 0, 2);
+        });
         emit(c.data(), c.size() * 4);
       }
-}
-
-// Every row of `c` (M x N, computed by `gemm` over all M rows) the same bits when computed alone.
-template <typename Gemm>
-void check_rows_alone(const char* what, const std::vector<float>& c, int M, int N, Gemm gemm) {
-  for (int m = 0; m < M; ++m) {
-    std::vector<float> alone(N);
-    gemm(m, alone.data());
-    if (memcmp(alone.data(), c.data() + (size_t)m * N, N * 4) != 0) {
-      fprintf(stderr, "%s: row %d of %d differs alone\n", what, m, M);
-      ++failures;
-      return;
-    }
-  }
 }
 
 // bf16 products within float32 rounding of the float64 reference, each row alone as in the
@@ -212,14 +208,9 @@ void dense_cases() {
       for (int n = 0; n < N; ++n)
         for (int k = 0; k < K; ++k) ref[m * N + n] += (double)a[m * K + k] * w[n * K + k];
     check("dense_gemm", c, ref, 1e-6);
-    for (int m = 0; m < M; ++m) {
-      std::vector<float> alone(N);
-      lm_dense_gemm(a.data() + (size_t)m * K, w.data(), alone.data(), 1, N, K, 2);
-      if (memcmp(alone.data(), c.data() + (size_t)m * N, N * 4) != 0) {
-        fprintf(stderr, "dense_gemm: row %d of %d differs alone\n", m, M);
-        ++failures;
-      }
-    }
+    check_rows_alone("dense_gemm", c, M, N, [&](int m, float* out) {
+      lm_dense_gemm(a.data() + (size_t)m * K, w.data(), out, 1, N, K, 2);
+    });
     emit(c.data(), c.size() * 4);
   }
 }
