@@ -318,7 +318,8 @@ def _add_serve(commands: Any) -> None:
                            "(default: four times what the KV cache holds)")
     http.add_argument("--max-seqs-per-request", type=int, metavar="N", default=d.max_seqs_per_request,
                       help="sequences (prompts x n) one request may start, which also bounds its "
-                           "list of prompts; more get 400 (default: half the batch, --max-num-sequence)")
+                           "list of prompts; more get 400; those past the batch (--max-num-sequence) "
+                           "queue (default: 128, OpenAI's limit on n)")
     http.add_argument("--max-stop-chars", type=int, metavar="N", default=d.max_stop_chars,
                       help="characters of a request's stop strings together; more get 400 "
                            "(default: %(default)s)")

@@ -34,6 +34,7 @@ from lmserve.spec.eagle_heads import eagle_heads_size
 from lmserve.spec.medusa import medusa_heads_size
 from lmserve.spec.tree import MAX_TREE_TOKENS
 from lmserve.state_plan import StatePlan, batch_that_fits, plan_state
+from lmserve.structured.xgrammar_lib import describe_structured_output
 
 DEFAULT_MODE = "local"
 DEFAULT_MEMORY_UTILIZATION = 0.85
@@ -138,6 +139,7 @@ class EnginePlan:
             ("expected_memory", f"{_gib(m.total)} of a {_gib(m.budget)} budget "
                                 f"({_gib(m.device)} device)"),
             ("kernels", describe_kernels()),
+            ("structured_output", describe_structured_output()),
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -57,29 +57,46 @@ MAX_N = 128  # OpenAI's limit on choices per request
 MAX_NESTING = 64
 
 
-class InvalidRequestError(ValueError):
-    """A request that cannot be served as asked; ``param`` names the field at fault (or None)."""
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request too long for the model
 
-    def __init__(self, message: str, param: Optional[str] = None) -> None:
+
+class InvalidRequestError(ValueError):
+    """A request that cannot be served as asked; ``param`` names the field at fault (or None),
+    ``code`` is OpenAI's short code for the case where it has one (``context_length_exceeded``)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
     @classmethod
-    def from_validation_error(cls, err: ValidationError) -> InvalidRequestError:
-        """Summarize pydantic's errors, each prefixed by its dotted path.
-
-        ``param`` is the top-level request field: deeper path parts may be pydantic's names for
-        the members of a union (``stop.str``), which mean nothing to a caller.
-        """
+    def from_validation_error(cls, err: ValidationError, data: Any) -> InvalidRequestError:
+        """Summarize pydantic's errors on the request ``data``, each prefixed by its dotted path
+        in ``data``; ``param`` is the top-level request field."""
         errors = err.errors(include_url=False)
         lines = []
         for e in errors:
-            where = ".".join(str(part) for part in e["loc"]) or "request"
+            where = ".".join(map(str, _path_in_request(e["loc"], data, e["type"] == "missing"))) or "request"
             what = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
             lines.append(f"{where}: {what}")
         param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
         return cls("; ".join(lines), param)
+
+
+def _path_in_request(loc: tuple, data: Any, missing: bool) -> list:
+    """Pydantic's error location as a path in the request: without the names it gives the
+    members of a union (``stop.str``, the ``json_schema`` tag of ``response_format``), which are
+    no place in the request. A ``missing`` field's name ends the path though it is not there."""
+    path, value = [], data
+    for i, part in enumerate(loc):
+        if isinstance(value, dict) and part in value or (
+                isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value)):
+            path.append(part)
+            value = value[part]
+        elif missing and i == len(loc) - 1:
+            path.append(part)
+    return path
 
 
 def check_json_values(data: Any, max_nesting: int = MAX_NESTING) -> None:
@@ -172,6 +189,7 @@ class ToolMessage(_Strict):
     role: Literal["tool"]
     content: MessageContent
     tool_call_id: str
+    name: Optional[str] = None  # the function's name, as OpenAI's cookbook sends it
 
 
 ChatMessageParam = Annotated[
@@ -275,7 +293,7 @@ _R = TypeVar("_R", bound="GenerationRequest")
 class GenerationRequest(_Strict):
     """The fields chat and text completion requests share, and their mapping to SamplingParams."""
 
-    model: Optional[str] = None  # None: whichever model is served
+    model: Optional[str] = None  # None or "": whichever model is served
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
@@ -309,7 +327,7 @@ class GenerationRequest(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            raise InvalidRequestError.from_validation_error(err) from None
+            raise InvalidRequestError.from_validation_error(err, data) from None
 
     @field_validator("stop")
     @classmethod

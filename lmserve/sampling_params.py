@@ -219,17 +219,18 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse token ids that the model's vocabulary of ``vocab_size`` tokens does not have.
 
-        Raises ``ValueError`` naming the field and the first offending id.
+        Raises ``OutOfVocabularyError`` naming the field and the first offending id.
         """
-        for token_id in self.logit_bias or {}:
-            if token_id >= vocab_size:
-                raise ValueError(
-                    f"logit_bias token id {token_id} is outside the vocabulary "
-                    f"(ids 0..{vocab_size - 1})"
-                )
-        for token_id in self.stop_token_ids:
-            if token_id >= vocab_size:
-                raise ValueError(
-                    f"stop_token_ids token id {token_id} is outside the vocabulary "
-                    f"(ids 0..{vocab_size - 1})"
-                )
+        for name, token_ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((t for t in token_ids if t >= vocab_size), None)
+            if bad is not None:
+                raise OutOfVocabularyError(
+                    name, f"{name} token id {bad} is outside the vocabulary (ids 0..{vocab_size - 1})")
+
+
+class OutOfVocabularyError(ValueError):
+    """A token id the model's vocabulary does not have; ``field`` names where it was given."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field

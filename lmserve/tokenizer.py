@@ -153,9 +153,11 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: Optional[list[dict[str, Any]]] = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """Token ids of the rendered chat; the template writes any bos itself, so none is added."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        """Token ids of the rendered chat. The template writes any bos itself, so none is added
+        unless ``add_special_tokens`` asks for the tokenizer's decoration on top."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens)
 
     def _template_end_of_turn_ids(self) -> list[int]:
         """The special token the chat template writes right after an assistant reply (e.g. <|im_end|>)."""

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import Optional
 
 import httpx
@@ -24,13 +25,18 @@ def free_port() -> int:
 class ServerProcess:
     """One server process; use as a context manager or call ``start`` / ``stop``."""
 
-    def __init__(self, args: list[str], log_path: str) -> None:
-        """``args`` follow ``lmserve serve`` (``--port`` is added here)."""
+    def __init__(self, args: list[str], log_path: str, hide_modules: Sequence[str] = ()) -> None:
+        """``args`` follow ``lmserve serve`` (``--port`` is added here). ``hide_modules``: packages
+        the server cannot import, as on an install without them."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._args = [sys.executable, "-m", "lmserve.cli", "serve", "--port", str(self.port),
-                      "--log-level", "warning", *args]
+        run = ["-m", "lmserve.cli"]
+        if hide_modules:  # None in sys.modules makes an import fail
+            hide = "".join(f"sys.modules[{name!r}] = None; " for name in hide_modules)
+            run = ["-c", f"import sys; {hide}from lmserve.cli import main; sys.exit(main(sys.argv[1:]))"]
+        self._args = [sys.executable, *run, "serve", "--port", str(self.port), "--log-level", "warning",
+                      *args]
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self, timeout: float = 90.0) -> ServerProcess:

@@ -63,10 +63,11 @@ class FakeTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return "".join(chr(t) for t in token_ids if t not in (BOS, FILE_SEP))
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None) -> list[int]:
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None,
+                            add_special_tokens=False) -> list[int]:
         self.rendered.append((messages, tools))
         text = "".join(f"<{m['role']}>{m.get('content', '')}" for m in messages)
-        return self.encode(text + "<assistant>" * add_generation_prompt, add_special_tokens=False)
+        return self.encode(text + "<assistant>" * add_generation_prompt, add_special_tokens)
 
 
 def reply(prompt_ids: list[int], index: int) -> str:
@@ -201,9 +202,13 @@ def test_chat_stream_chunks_match_openai_type_and_the_full_response():
         by_choice.setdefault(chunk.choices[0].index, []).append(chunk.choices[0])
     full = chat_create(n=2)
     for index, parts in by_choice.items():
-        assert parts[0].delta.role == "assistant"
+        # The role alone first and the finish reason alone last, as OpenAI sends them: a client
+        # that reads the first chunk for the role only loses no text.
+        assert parts[0].delta.model_dump(exclude_none=True) == {"role": "assistant", "content": ""}
         assert all(p.delta.role is None for p in parts[1:])
         assert [p.finish_reason for p in parts] == [None] * (len(parts) - 1) + ["length"]
+        assert parts[-1].delta.model_dump(exclude_none=True) == {}
+        assert all(p.delta.content for p in parts[1:-1])
         assert "".join(p.delta.content or "" for p in parts) == full.choices[index].message.content
 
 
@@ -380,16 +385,21 @@ def test_completion_stream_matches_openai_type_and_the_full_response():
     assert last.choices == [] and last.usage.model_dump(exclude_none=True) == full.usage.model_dump()
 
 
-def test_completion_logprobs_shape():
-    response = completion_create(logprobs=1)
+@pytest.mark.parametrize("logprobs, top", [(0, {}), (1, {}), (2, {"?": -9999.0})])
+def test_completion_logprobs_shape(logprobs, top):
+    response = completion_create(logprobs=logprobs)
     lp = as_openai(response, openai.types.Completion).choices[0].logprobs
     text = response.choices[0].text
     assert lp.tokens == list(text)
     assert lp.token_logprobs == [-0.25] * len(text)
-    assert lp.top_logprobs == [{c: -0.25} for c in text]
+    # The chosen token is always there, as in OpenAI's API (with logprobs 0, only it).
+    assert lp.top_logprobs == [{c: -0.25, **top} for c in text]
     assert lp.text_offset == list(range(len(text)))
-    streamed = [c.choices[0].logprobs.tokens for c in completion_create(logprobs=1, stream=True)]
+    chunks = list(completion_create(logprobs=logprobs, stream=True))
+    streamed = [c.choices[0].logprobs.tokens for c in chunks[:-1]]
     assert [t for part in streamed for t in part] == lp.tokens
+    last = chunks[-1].choices[0]  # the finish reason in a chunk of its own
+    assert (last.text, last.logprobs, last.finish_reason) == ("", None, "length")
 
 
 def test_completion_echo_with_logprobs_scores_the_prompt():

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lmserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from lmserve.sampling_params import MAX_STOP_STRINGS, OutOfVocabularyError, SamplingParams
 
 
 def test_defaults_are_valid_and_random():
@@ -196,7 +196,8 @@ def test_check_vocab_accepts_ids_inside():
 )
 def test_check_vocab_refuses_ids_outside(kwargs, field, token_id):
     params = SamplingParams(**kwargs)
-    with pytest.raises(ValueError) as excinfo:
+    with pytest.raises(OutOfVocabularyError) as excinfo:
         params.check_vocab(100)
     message = str(excinfo.value)
     assert field in message and str(token_id) in message
+    assert excinfo.value.field == field

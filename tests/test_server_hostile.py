@@ -38,7 +38,8 @@ def server(kv_heavy_model_dir, tmp_path_factory):
     with ServerProcess(["--model", kv_heavy_model_dir, "--served-model-name", MODEL, "--mode", "server",
                         "--max-total-sequence-length", "400000", "--max-single-sequence-length",
                         str(CONTEXT), "--kv-cache-page-size", str(PAGE), "--max-num-sequence", "128",
-                        "--max-waiting", "512", "--prefix-cache-max-num-recycling-seqs", "4",
+                        "--max-waiting", "512", "--max-seqs-per-request", "64",
+                        "--prefix-cache-max-num-recycling-seqs", "4",
                         "--header-timeout", str(TIMEOUT_S),
                         "--body-timeout", str(TIMEOUT_S), "--keep-alive-timeout", str(TIMEOUT_S)],
                        log) as proc:
@@ -214,7 +215,7 @@ def test_a_request_is_weighed_by_prompts_times_n(server, http):
 
 
 def test_the_largest_request_leaves_room_for_other_clients(server):
-    # The largest request one client may send takes half the batch (64 of 128 sequences).
+    # The largest request one client may send here takes half the batch (64 of 128 sequences).
     async def one_full_batch(client):
         body = {"prompt": ["go"] * 8, "n": 8, "max_tokens": 64, "ignore_eos": True}
         return (await client.post("/v1/completions", json=body)).status_code

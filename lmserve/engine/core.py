@@ -28,14 +28,14 @@ from lmserve.parallel.group import ParallelGroup, world_size
 from lmserve.parallel.rank import build_rank
 from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
 from lmserve.plan import make_plan, resolve_window
-from lmserve.protocol import InvalidRequestError
+from lmserve.protocol import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.sampler import SampleResult, sample, score_tokens, sequence_batch
 from lmserve.spec.draft_model import draft_opt, read_draft_model
 from lmserve.spec.eagle import build_eagle_runner
 from lmserve.spec.eagle_heads import read_eagle_head
 from lmserve.spec.speculator import SpecCounters, make_speculator
-from lmserve.sampling_params import SamplingParams
+from lmserve.sampling_params import OutOfVocabularyError, SamplingParams
 from lmserve.scheduler import Batch, Scheduler
 from lmserve.structured.compiler import GrammarCompiler
 from lmserve.structured.matcher import SequenceGrammar, fill_bitmask
@@ -153,7 +153,7 @@ class EngineCore:
             raise InvalidRequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens, but this engine allows at most "
                 f"{limit} tokens per sequence (prompt and output together), so at most "
-                f"{limit - 1} prompt tokens", "prompt"
+                f"{limit - 1} prompt tokens", "prompt", CONTEXT_LENGTH_EXCEEDED
             )
         vocab = self.args.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
@@ -162,8 +162,8 @@ class EngineCore:
                                       "prompt")
         try:
             params.check_vocab(vocab)
-        except ValueError as err:
-            raise InvalidRequestError(str(err)) from None
+        except OutOfVocabularyError as err:
+            raise InvalidRequestError(str(err), err.field) from None
         if params.structured_outputs is not None:
             # Compiled here, in the caller's thread; add_request then finds it in the cache.
             self.grammars.compile(params.structured_outputs)

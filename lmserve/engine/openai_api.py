@@ -34,6 +34,7 @@ from lmserve.engine.limits import RequestLimits
 from lmserve.engine.stop import prepare_stops
 from lmserve.outputs import RequestOutput
 from lmserve.protocol import (
+    CONTEXT_LENGTH_EXCEEDED,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -46,6 +47,7 @@ from lmserve.generation_defaults import GenerationDefaults
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured.json_schema import SchemaError, check_schema
 from lmserve.structured.params import StructuredOutputsParams
+from lmserve.structured.xgrammar_lib import StructuredOutputUnavailable, xgrammar_installed
 from lmserve.tokenizer import TokenBytes, hf_token_bytes
 from lmserve.tools.formats import TOOL_FORMATS, ToolFormat, format_for_template
 from lmserve.tools.prompt import tool_messages
@@ -74,8 +76,10 @@ class TokenizerLike(Protocol):
         """Token ids -> text (for ``echo`` of a prompt given as token ids)."""
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
-        """Chat messages (OpenAI dicts) -> prompt token ids ending with the assistant's turn."""
+                            tools: Optional[list[dict[str, Any]]] = None,
+                            add_special_tokens: bool = False) -> list[int]:
+        """Chat messages (OpenAI dicts) -> prompt token ids ending with the assistant's turn;
+        ``add_special_tokens`` adds the tokenizer's BOS to what the template writes."""
 
 
 class _BackendBase(Protocol):
@@ -128,7 +132,7 @@ class PreparedRequest:
 
 
 def _check_model(request: GenerationRequest, backend: _BackendBase) -> None:
-    if request.model is not None and request.model != backend.model_name:
+    if request.model and request.model != backend.model_name:  # None or "": the model served
         raise InvalidRequestError(
             f"model {request.model!r} is not served here (this is {backend.model_name!r})", "model")
 
@@ -141,13 +145,14 @@ def _sampling_params(request: GenerationRequest, prompt_len: int, backend: _Back
     room = max_model_len - prompt_len
     if room < 1:
         raise InvalidRequestError(f"the prompt has {prompt_len} tokens, which leaves no room to generate "
-                                  f"in the model's context of {max_model_len} tokens", prompt_param)
+                                  f"in the model's context of {max_model_len} tokens", prompt_param,
+                                  CONTEXT_LENGTH_EXCEEDED)
     params = request.to_sampling_params(default_max_tokens=room, defaults=backend.generation_defaults.values)
     if params.max_tokens is not None and params.max_tokens > room:
         raise InvalidRequestError(
             f"{request.max_tokens_param} is {params.max_tokens}, but the prompt has {prompt_len} tokens "
             f"and the model's context is {max_model_len} tokens, which leaves room for {room}",
-            request.max_tokens_param)
+            request.max_tokens_param, CONTEXT_LENGTH_EXCEEDED)
     return params
 
 
@@ -158,7 +163,7 @@ def check_text_fits(num_chars: int, backend: _BackendBase, param: str) -> None:
         raise InvalidRequestError(
             f"{param}: {num_chars} characters of text, more than the model's context of "
             f"{backend.max_model_len} tokens can hold (a token stands for at most "
-            f"{backend.tokenizer.max_token_chars} characters)", param)
+            f"{backend.tokenizer.max_token_chars} characters)", param, CONTEXT_LENGTH_EXCEEDED)
 
 
 def _validated(backend: _BackendBase, runs: list[tuple[str, list[int], SamplingParams]]) -> list:
@@ -215,18 +220,22 @@ def _prepare_chat(backend: _BackendBase, limits: RequestLimits, kwargs: dict[str
 
 def render_chat_prompt(tokenizer: TokenizerLike, messages: list[dict[str, Any]],
                        tools: Optional[list[dict[str, Any]]], show_tool_prompt: bool,
-                       add_generation_prompt: bool = True) -> tuple[list[int], Optional[ToolFormat]]:
+                       add_generation_prompt: bool = True,
+                       add_special_tokens: bool = False) -> tuple[list[int], Optional[ToolFormat]]:
     """The prompt ids of a chat (template messages) with its tools (OpenAI tool dicts), as the
-    chat endpoint renders it, and the tool-call format of the model (None without tools).
+    chat endpoint renders it, and the tool-call format of the model (None without tools or tool
+    calls in the history, which is written in that format even when no tools are sent).
     ``show_tool_prompt``: write lmserve's tool prompt where the template cannot show the tools
     (not for ``tool_choice: "none"``). Raises ``InvalidRequestError`` when the template fails."""
-    fmt = format_for_template(tokenizer.chat_template, tokenizer.template_renders_tools) if tools else None
+    calls_in_history = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    fmt = (format_for_template(tokenizer.chat_template, tokenizer.template_renders_tools)
+           if tools or calls_in_history else None)
     if fmt is not None:
         messages, tools = tool_messages(messages, tools, fmt, tokenizer.template_renders_tools,
                                         show_tool_prompt)
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             tools=tools), fmt
+                                             tools=tools, add_special_tokens=add_special_tokens), fmt
     except (ValueError, jinja2.TemplateError) as err:  # no template, or it refuses these messages
         raise InvalidRequestError(f"cannot render the chat template: {err}", "messages") from None
 
@@ -235,9 +244,14 @@ def _with_tool_grammar(params: SamplingParams, request: ChatCompletionRequest, f
                        mode: tuple[str, Optional[str]]) -> SamplingParams:
     """``params`` with the grammar that makes the model's calls valid: calls only (``required``,
     a named function), or valid calls once it opens one (``auto``). Each tool's parameters must
-    be a schema the grammar enforces."""
+    be a schema the grammar enforces. Without xgrammar, ``auto`` calls are read from free text
+    and forced ones are refused."""
     functions = [t.function.model_dump(exclude_none=True) for t in request.tools or ()]
     kind, name = mode
+    if not xgrammar_installed():
+        if kind == "auto":
+            return params
+        raise StructuredOutputUnavailable("tool_choice", "it is not installed")
     chosen = [f for f in functions if kind != "function" or f["name"] == name]
     tag = fmt.structural_tag(chosen, required=kind != "auto",
                              parallel=kind != "function" and request.parallel_tool_calls is not False)

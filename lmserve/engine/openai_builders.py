@@ -96,12 +96,19 @@ def completion_logprobs(
         raw = token_bytes(token_id)
         out.tokens.append(token_text(raw))
         out.token_logprobs.append(None if lp is None else _logprob(lp.logprob))
-        out.top_logprobs.append(None if lp is None else
-                                {token_text(token_bytes(t)): _logprob(v) for t, v in lp.top})
+        out.top_logprobs.append(None if lp is None else _top_with_chosen(lp, token_bytes))
         out.text_offset.append(start)
         if i not in hidden:
             start += len(offsets.decode(raw))
     return out, start
+
+
+def _top_with_chosen(lp: TokenLogprob, token_bytes: TokenBytes) -> dict[str, float]:
+    """A text completion's ``top_logprobs`` entry: the top alternatives and, as OpenAI always
+    returns it, the chosen token (``logprobs + 1`` entries at most; ``logprobs: 0``, only it)."""
+    top = {token_text(token_bytes(t)): _logprob(v) for t, v in lp.top}
+    top.setdefault(token_text(token_bytes(lp.token_id)), _logprob(lp.logprob))
+    return top
 
 
 def join_completion_logprobs(pieces: Sequence[CompletionLogprobs]) -> CompletionLogprobs:
@@ -169,9 +176,10 @@ class _StreamBuilder:
 class ChatStreamBuilder(_StreamBuilder):
     """``RequestOutput``s of one chat request -> ``ChatCompletionChunk``s.
 
-    One chunk per choice that has news, as OpenAI sends them. A choice's first chunk carries
-    ``role: "assistant"``, its last one the ``finish_reason``; steps where a choice produced
-    nothing visible (text held back as a possible stop string or call tag) yield no chunk for it.
+    As OpenAI sends them: a choice's first chunk carries ``role: "assistant"`` alone, then one
+    chunk per step that has news for it, and its last chunk the ``finish_reason`` alone; steps
+    where a choice produced nothing visible (text held back as a possible stop string or call
+    tag) yield no chunk for it.
     With ``tool_format``, tool calls in the text become ``delta.tool_calls`` pieces and a choice
     that called a tool and stopped finishes with ``"tool_calls"``.
     """
@@ -198,19 +206,18 @@ class ChatStreamBuilder(_StreamBuilder):
                 text, pieces = calls.feed(delta.text, final=finish is not None)
                 if finish == "stop" and calls.num_calls:
                     finish = "tool_calls"
-            if not (first or text or pieces or delta.logprobs or finish):
-                continue
-            choice = ChatChunkChoice(
-                index=delta.index,
-                # A first chunk carries content "" as OpenAI's do, but null before tool calls.
-                delta=ChatDelta(role="assistant" if first else None,
-                                content=text if text or (first and self._tool_format is None) else None,
-                                tool_calls=[_delta_tool_call(p) for p in pieces] or None),
-                logprobs=None if delta.logprobs is None else chat_logprobs(delta.logprobs, self.token_bytes),
-                finish_reason=finish,
-                stop_reason=delta.stop_reason,
-            )
-            chunks.append(self._chunk([choice]))
+            if first:  # the role alone, with content "" as OpenAI's, but null before tool calls
+                role = ChatDelta(role="assistant", content="" if self._tool_format is None else None)
+                chunks.append(self._chunk([ChatChunkChoice(index=delta.index, delta=role)]))
+            if text or pieces or delta.logprobs:
+                chunks.append(self._chunk([ChatChunkChoice(
+                    index=delta.index,
+                    delta=ChatDelta(content=text or None, tool_calls=[_delta_tool_call(p) for p in pieces] or None),
+                    logprobs=None if delta.logprobs is None else chat_logprobs(delta.logprobs, self.token_bytes),
+                )]))
+            if finish:  # in a chunk of its own with an empty delta, as OpenAI ends a choice
+                chunks.append(self._chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(),
+                                                           finish_reason=finish, stop_reason=delta.stop_reason)]))
         return chunks
 
     def finish(self) -> list[ChatCompletionChunk]:
@@ -289,12 +296,12 @@ class CompletionStreamBuilder(_StreamBuilder):
                 piece, state.text_offset = completion_logprobs(
                     delta.token_ids, delta.logprobs, self.token_bytes, state.utf8, state.text_offset)
                 pieces.append(piece)
-            logprobs = join_completion_logprobs(pieces) if pieces else None
-            if not (text or logprobs or delta.finish_reason):
-                continue
-            choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                      finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-            chunks.append(self._chunk([choice]))
+            if text or pieces:
+                logprobs = join_completion_logprobs(pieces) if pieces else None
+                chunks.append(self._chunk([CompletionChoice(index=index, text=text, logprobs=logprobs)]))
+            if delta.finish_reason:  # in a chunk of its own, as OpenAI ends a choice
+                chunks.append(self._chunk([CompletionChoice(index=index, text="", finish_reason=delta.finish_reason,
+                                                            stop_reason=delta.stop_reason)]))
         return chunks
 
     def finish(self) -> list[Completion]:

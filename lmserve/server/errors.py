@@ -45,7 +45,7 @@ class APIError(Exception):
         if isinstance(exc, APIError):
             return exc
         if isinstance(exc, InvalidRequestError):
-            return cls(400, exc.message, exc.param)
+            return cls(400, exc.message, exc.param, exc.code)
         if isinstance(exc, EngineShutDown):  # the server is stopping: expected, not a failure
             return cls(503, "the server shut down before the request finished", code="server_shutting_down")
         return cls(500, f"the server failed while handling the request: {type(exc).__name__}: {exc}")

@@ -15,6 +15,7 @@ from lmserve.server.admission import AdmissionGate
 from lmserve.server.app import create_app
 from lmserve.server.protocol import HeaderTimeoutProtocol
 from lmserve.server.settings import ServerSettings
+from lmserve.structured.xgrammar_lib import describe_structured_output, xgrammar_installed
 
 logger = logging.getLogger("lmserve")
 
@@ -78,6 +79,8 @@ def serve(engine: AsyncEngine, settings: ServerSettings, log_level: str = "info"
     parallel engine that lost a rank), within a second of the failure.
     """
     app = create_app(engine, settings)
+    if not xgrammar_installed():
+        logger.warning("structured output is %s", describe_structured_output())
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                             timeout_graceful_shutdown=_CLOSE_TIMEOUT_S,
                             timeout_keep_alive=settings.keep_alive_timeout,

@@ -21,8 +21,8 @@ class ServerSettings:
     # Prompt tokens (times n) in flight before new requests get 429; None: four times what the
     # KV cache holds.
     max_waiting_tokens: Optional[int] = None
-    # Sequences (prompts x n) one request may start; None: half the engine's batch
-    # (max_num_sequence), so that one request never keeps every other client waiting.
+    # Sequences (prompts x n) one request may start; None: OpenAI's limit on n (128). Those
+    # past the engine's batch wait in its queue.
     max_seqs_per_request: Optional[int] = None
     max_stop_chars: int = 1024  # characters of a request's stop strings together
     served_model_name: Optional[str] = None  # the name clients use; None: the model's file name

@@ -11,6 +11,7 @@ from fastapi import Request
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.engine.limits import RequestLimits
 from lmserve.engine.openai_api import AsyncChat, AsyncCompletions
+from lmserve.protocol import MAX_N
 from lmserve.server.admission import AdmissionGate
 from lmserve.server.backend import ServedModel
 from lmserve.server.body import read_json_object
@@ -39,10 +40,9 @@ class ServerState:
         metrics = ServerMetrics(engine.stats)
         model = ServedModel(engine, metrics, settings.served_model_name)
         plan = engine.plan
-        # By default one request may take half the batch, so that another client's request
-        # always finds room to start at once; never more than the whole in-flight bound.
-        per_request = min(settings.max_seqs_per_request or max(1, plan.max_num_sequence // 2),
-                          settings.max_waiting)
+        # By default a request may ask for as many sequences as OpenAI allows choices (those past
+        # the batch wait in the engine's queue); never more than the whole in-flight bound.
+        per_request = min(settings.max_seqs_per_request or MAX_N, settings.max_waiting)
         limits = RequestLimits(max_stop_chars=settings.max_stop_chars, max_sequences=per_request)
         # Tokens in flight: four times the KV cache (a model without KV, all recurrent: four
         # times what its sequences may hold together).
@@ -56,11 +56,12 @@ class ServerState:
         return await read_json_object(request, self.settings.max_body_bytes, self.settings.body_timeout)
 
     def check_model(self, name: Any) -> None:
-        """Raise 404 for a request naming a model that is not served here (None: any is fine).
+        """Raise 404 for a request naming a model that is not served here (None or "": the one
+        served, as vLLM reads them).
 
         A ``model`` that is not even a string is left to the request's own validation (400).
         """
-        if isinstance(name, str) and name != self.model.model_name:
+        if isinstance(name, str) and name and name != self.model.model_name:
             raise APIError(404, f"The model `{name}` does not exist (this server serves "
                                 f"`{self.model.model_name}`)", "model", "model_not_found")
 

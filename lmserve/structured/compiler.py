@@ -17,7 +17,7 @@ from typing import Any
 from lmserve.protocol import InvalidRequestError
 from lmserve.structured.json_schema import SchemaError, check_schema
 from lmserve.structured.params import StructuredOutputsParams
-from lmserve.structured.xgrammar_lib import import_xgrammar
+from lmserve.structured.xgrammar_lib import StructuredOutputUnavailable, import_xgrammar
 from lmserve.tokenizer import Tokenizer, hf_token_bytes
 
 # Compiled grammars kept for reuse (xgrammar's LRU cache; a JSON schema's is tens of KB).
@@ -41,10 +41,14 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``params`` (cached). Raises ``InvalidRequestError`` naming the
-        request field when the constraint is invalid or cannot be enforced."""
-        compiler = self._get_compiler()
-        xgr = import_xgrammar()
+        request field when the constraint is invalid or cannot be enforced, and its subclass
+        ``StructuredOutputUnavailable`` when xgrammar cannot be imported."""
         origin = params.origin
+        try:
+            compiler = self._get_compiler()
+            xgr = import_xgrammar()
+        except ImportError as err:
+            raise StructuredOutputUnavailable(origin, str(err.__cause__ or err)) from None
         try:
             kind = params.kind
             if kind == "json":

@@ -2,7 +2,8 @@
 
 ``/tokenize`` takes a text ``prompt`` (tokenized as ``/v1/completions`` would, with the model's
 BOS unless ``add_special_tokens`` is false) or chat ``messages`` (rendered with the chat template
-as ``/v1/chat/completions`` would), and answers ``{count, max_model_len, tokens, token_strs}``.
+as ``/v1/chat/completions`` would; ``add_special_tokens`` adds the tokenizer's BOS on top), and
+answers ``{count, max_model_len, tokens, token_strs}``.
 ``/detokenize`` takes ``tokens`` and answers ``{prompt}``.
 """
 
@@ -38,6 +39,8 @@ class TokenizeTextRequest(_Strict):
 class TokenizeChatRequest(_Strict):
     messages: list[ChatMessageParam] = Field(min_length=1)
     add_generation_prompt: bool = True
+    # The tokenizer's own decoration (a BOS) on top of what the template writes, as vLLM has it.
+    add_special_tokens: bool = False
     tools: Optional[list[ChatTool]] = None
     return_token_strs: bool = False
 
@@ -51,7 +54,7 @@ def _parse(model: type[_Strict], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        raise InvalidRequestError.from_validation_error(err) from None
+        raise InvalidRequestError.from_validation_error(err, body) from None
 
 
 @router.post("/tokenize")
@@ -73,7 +76,8 @@ def _tokenize(model: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
         check_text_fits(sum(len(m.get("content") or "") for m in messages), model, "messages")
         # As the chat endpoint renders it (with tools, its default tool_choice "auto").
         ids, _ = render_chat_prompt(tokenizer, messages, tools, show_tool_prompt=bool(tools),
-                                    add_generation_prompt=req.add_generation_prompt)
+                                    add_generation_prompt=req.add_generation_prompt,
+                                    add_special_tokens=req.add_special_tokens)
     else:
         req = _parse(TokenizeTextRequest, body)
         check_text_fits(len(req.prompt), model, "prompt")
