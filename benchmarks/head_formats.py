@@ -2,7 +2,7 @@
 
 One pass of the built-in model's EAGLE-1 head multiplies six matrices: ``fc`` (2D -> D), fused
 q/k/v, o, fused gate/up, down, and the draft vocabulary's head (``--vocab`` rows). They are
-built as ``spec/draft_level.py`` builds them for each level (random weights of the real shapes)
+built as ``speculative/draft_level.py`` builds them for each level (random weights of the real shapes)
 and timed in interleaved rounds; printed: the median time of a pass's six matmuls per level
 and rows, and its ratio to float32 (O0, the heads' own numbers).
 
@@ -19,7 +19,7 @@ import time
 import torch
 
 from lmserve.config import parse_opt
-from lmserve.spec.draft_level import head_formats, head_linear
+from lmserve.speculative.draft_level import head_formats, head_linear
 
 D, FFN = 576, 1536  # the built-in model's hidden and MLP sizes
 LEVELS = ("O0", "O1", "O2", "O3")

@@ -361,8 +361,8 @@ def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # Reads the model's hyper-parameters only: no weights are loaded.
     from lmserve.models.source import open_model
     from lmserve.plan import make_plan
-    from lmserve.spec.draft_model import draft_opt, read_draft_model
-    from lmserve.spec.eagle_heads import eagle_head_args
+    from lmserve.speculative.draft_model import draft_opt, read_draft_model
+    from lmserve.speculative.eagle_heads import eagle_head_args
 
     try:
         config, source = open_model(config)

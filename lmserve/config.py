@@ -441,8 +441,8 @@ def _check_combinations(c: EngineConfig) -> None:
             f"additional_models, got additional_models=[]"
         )
     if c.speculative_mode != "disable":
-        from lmserve.spec.adaptive import MAX_ADAPTIVE_K
-        from lmserve.spec.tree import MAX_TREE_TOKENS
+        from lmserve.speculative.adaptive import MAX_ADAPTIVE_K
+        from lmserve.speculative.tree import MAX_TREE_TOKENS
 
         k = c.spec_draft_length or MAX_ADAPTIVE_K
         if c.spec_tree_width > 1 and k * c.spec_tree_width >= MAX_TREE_TOKENS:

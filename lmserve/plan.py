@@ -28,11 +28,11 @@ from lmserve.models.args import ModelArgs
 from lmserve.parallel.shard import check_shardable, shard_args
 from lmserve.parallel.stages import stage_layers
 from lmserve.scheduler import SCORED_ROWS_PER_STEP
-from lmserve.spec.adaptive import MAX_ADAPTIVE_K
-from lmserve.spec.draft_level import head_weight_format
-from lmserve.spec.eagle_heads import eagle_heads_size
-from lmserve.spec.medusa import medusa_heads_size
-from lmserve.spec.tree import MAX_TREE_TOKENS
+from lmserve.speculative.adaptive import MAX_ADAPTIVE_K
+from lmserve.speculative.draft_level import head_weight_format
+from lmserve.speculative.eagle_heads import eagle_heads_size
+from lmserve.speculative.medusa import medusa_heads_size
+from lmserve.speculative.tree import MAX_TREE_TOKENS
 from lmserve.state_plan import StatePlan, batch_that_fits, plan_state
 from lmserve.structured.xgrammar_lib import describe_structured_output
 

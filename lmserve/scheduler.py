@@ -23,8 +23,8 @@ from typing import Callable, Optional
 
 from lmserve.cache.manager import KVCacheManager
 from lmserve.request import Sequence, SeqStatus
-from lmserve.spec.adaptive import DraftChoice
-from lmserve.spec.tree import DraftTree, num_in_place
+from lmserve.speculative.adaptive import DraftChoice
+from lmserve.speculative.tree import DraftTree, num_in_place
 from lmserve.step import SeqStep, StepInput
 
 

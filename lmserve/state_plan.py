@@ -15,7 +15,7 @@ from typing import Optional
 from lmserve.cache.state import state_bytes_per_slot
 from lmserve.config import EngineConfig
 from lmserve.models.args import ModelArgs
-from lmserve.spec.adaptive import MAX_ADAPTIVE_K
+from lmserve.speculative.adaptive import MAX_ADAPTIVE_K
 
 
 @dataclass(frozen=True)

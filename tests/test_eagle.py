@@ -18,14 +18,14 @@ from lmserve.config import EngineConfig
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
-from lmserve.spec.draft_vocab import read_draft_vocab, write_draft_vocab
-from lmserve.spec import eagle
-from lmserve.spec.eagle import EagleDrafter
-from lmserve.spec.eagle_heads import eagle_layer_args, read_eagle_heads
-from lmserve.spec.head_nets import EagleNet
+from lmserve.speculative.draft_vocab import read_draft_vocab, write_draft_vocab
+from lmserve.speculative import eagle
+from lmserve.speculative.eagle import EagleDrafter
+from lmserve.speculative.eagle_heads import eagle_layer_args, read_eagle_heads
+from lmserve.speculative.head_nets import EagleNet
 from lmserve.request import Request, Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.spec.dynamic_tree import CandidateTree
+from lmserve.speculative.dynamic_tree import CandidateTree
 from lmserve.step import SeqStep, StepInput
 from tiny_models import make_hf_llama
 
@@ -398,7 +398,7 @@ def test_the_plan_command_counts_the_head_as_the_engine_does(target, capsys):
 def test_a_sequences_pending_features_grow_and_drop_as_a_plain_list_does():
     """The drafter's per-sequence feature buffer (appended in place, shrunk after a prefill
     chunk) against a plain list of rows, over random appends and drops."""
-    from lmserve.spec.eagle import _Pending
+    from lmserve.speculative.eagle import _Pending
 
     gen = torch.Generator().manual_seed(0)
     rows = torch.randn(10000, 8, generator=gen)

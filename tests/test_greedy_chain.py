@@ -16,7 +16,7 @@ from lmserve.request import Request, Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.greedy_chain import GreedyChain, _library
 from lmserve.layers.call_list import float_word
-from lmserve.spec.draft_model import DraftModelDrafter
+from lmserve.speculative.draft_model import DraftModelDrafter
 from lmserve.step import SeqStep, StepInput
 
 PASSES = 12

@@ -16,9 +16,9 @@ from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
 from lmserve.request import Request, Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.spec import medusa
-from lmserve.spec.draft_vocab import write_draft_vocab
-from lmserve.spec.medusa import MedusaDrafter, read_medusa_heads
+from lmserve.speculative import medusa
+from lmserve.speculative.draft_vocab import write_draft_vocab
+from lmserve.speculative.medusa import MedusaDrafter, read_medusa_heads
 from tiny_models import make_hf_llama, random_model
 
 HIDDEN, HEADS, LAYERS = 64, 3, 1

@@ -13,7 +13,7 @@ import lmserve.engine.multi_step as multi_step
 from lmserve import Engine, SamplingParams
 from lmserve.models.builtin import builtin_model_path
 from lmserve.scheduler import Batch
-from lmserve.spec.adaptive import DraftChoice
+from lmserve.speculative.adaptive import DraftChoice
 from lmserve.structured.params import StructuredOutputsParams
 
 TEXTS = ["Name three rivers of Europe and the seas they flow into.", "Write a haiku about autumn."]

@@ -17,7 +17,7 @@ from lmserve.models.builtin import builtin_model_path
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
 from lmserve.request import Request, Sequence
-from lmserve.spec.tree import DraftTree
+from lmserve.speculative.tree import DraftTree
 from lmserve.tokenizer import Tokenizer
 from test_reference import assert_matches_transformers, hf_greedy_uncached
 from tiny_models import make_hf_llama, make_hf_recurrent, random_recurrent_model

@@ -28,12 +28,12 @@ from lmserve.models.builtin import builtin_model_path
 from lmserve.request import Request, Sequence
 from lmserve.sampler import position_generator, sample, sequence_batch
 from lmserve.scheduler import Batch, ScheduledChunk, Scheduler
-from lmserve.spec.adaptive import AdaptiveDraftLength, DraftChoice
-from lmserve.spec.coupled import coupled_tokens
-from lmserve.spec.draft_model import DraftModelDrafter
-from lmserve.spec.ngram import NgramDrafter, draft_depth, propose_ngram
-from lmserve.spec.speculator import Speculator
-from lmserve.spec.tree import DraftTree, num_in_place
+from lmserve.speculative.adaptive import AdaptiveDraftLength, DraftChoice
+from lmserve.speculative.coupled import coupled_tokens
+from lmserve.speculative.draft_model import DraftModelDrafter
+from lmserve.speculative.ngram import NgramDrafter, draft_depth, propose_ngram
+from lmserve.speculative.speculator import Speculator
+from lmserve.speculative.tree import DraftTree, num_in_place
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 GREEDY_DRAFT = SamplingParams(temperature=0)

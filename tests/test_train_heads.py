@@ -12,9 +12,9 @@ from lmserve import EngineConfig
 from lmserve.cli import main
 from lmserve.engine.core import EngineCore
 from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
-from lmserve.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE
-from lmserve.spec.eagle_heads import eagle_layer_args
-from lmserve.spec.head_nets import EagleNet, MedusaNet
+from lmserve.speculative.draft_vocab import FILE as DRAFT_VOCAB_FILE
+from lmserve.speculative.eagle_heads import eagle_layer_args
+from lmserve.speculative.head_nets import EagleNet, MedusaNet
 from lmserve.train.command import (acceptance_length, measure_acceptance, split_prompts,
                                    write_eagle, write_medusa)
 from lmserve.train.data import generate

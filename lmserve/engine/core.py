@@ -31,10 +31,10 @@ from lmserve.plan import make_plan, resolve_window
 from lmserve.protocol import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.sampler import SampleResult, sample, score_tokens, sequence_batch
-from lmserve.spec.draft_model import draft_opt, read_draft_model
-from lmserve.spec.eagle import build_eagle_runner
-from lmserve.spec.eagle_heads import read_eagle_head
-from lmserve.spec.speculator import SpecCounters, make_speculator
+from lmserve.speculative.draft_model import draft_opt, read_draft_model
+from lmserve.speculative.eagle import build_eagle_runner
+from lmserve.speculative.eagle_heads import read_eagle_head
+from lmserve.speculative.speculator import SpecCounters, make_speculator
 from lmserve.sampling_params import OutOfVocabularyError, SamplingParams
 from lmserve.scheduler import Batch, Scheduler
 from lmserve.structured.compiler import GrammarCompiler
@@ -401,7 +401,7 @@ class EngineCore:
     def _sample(self, batch: Batch, logits: torch.Tensor) -> list[_NewTokens]:
         """Each sampling chunk's new tokens: a row per drafted position and one after, sampled
         as if the drafts before it were accepted; the drafts accepted and the target's token
-        after them (see ``lmserve.spec.speculator``). Without drafts: one sampled token."""
+        after them (see ``lmserve.speculative.speculator``). Without drafts: one sampled token."""
         chunks = [c for c in batch.chunks if c.samples]
         if not chunks:
             return []

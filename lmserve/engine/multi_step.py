@@ -26,8 +26,8 @@ from lmserve.greedy_chain import GreedyChain
 from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch
-from lmserve.spec.coupled import plain_greedy
-from lmserve.spec.tree import DraftTree
+from lmserve.speculative.coupled import plain_greedy
+from lmserve.speculative.tree import DraftTree
 
 RUN_SECONDS = 0.025
 MAX_RUN = 8

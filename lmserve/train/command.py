@@ -26,8 +26,8 @@ from lmserve.cli import add_engine_args, engine_config_from_args
 from lmserve.engine.core import EngineCore
 from lmserve.models.loader import load_weights
 from lmserve.outputs import EngineStats
-from lmserve.spec.head_nets import EagleNet, MedusaNet
-from lmserve.spec.draft_vocab import write_draft_vocab
+from lmserve.speculative.head_nets import EagleNet, MedusaNet
+from lmserve.speculative.draft_vocab import write_draft_vocab
 from lmserve.train.data import Sample, features, generate
 from lmserve.train.fit import FitSettings, answer_vocabulary, fit_eagle, fit_medusa
 from lmserve.train.prompts import builtin_prompts, read_prompts

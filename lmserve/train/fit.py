@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.args import ModelArgs
-from lmserve.spec.eagle_heads import eagle_layer_args
-from lmserve.spec.head_nets import EagleNet, MedusaNet
+from lmserve.speculative.eagle_heads import eagle_layer_args
+from lmserve.speculative.head_nets import EagleNet, MedusaNet
 from lmserve.train.data import Sample
 
 

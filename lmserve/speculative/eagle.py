@@ -38,11 +38,11 @@ from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.spec.draft_level import head_formats, head_linear
-from lmserve.spec.draft_vocab import to_token_ids
-from lmserve.spec.eagle_heads import EagleHeads
-from lmserve.spec.dynamic_tree import CandidateTree
-from lmserve.spec.tree import MIN_PATH_LOG_PROB
+from lmserve.speculative.draft_level import head_formats, head_linear
+from lmserve.speculative.draft_vocab import to_token_ids
+from lmserve.speculative.eagle_heads import EagleHeads
+from lmserve.speculative.dynamic_tree import CandidateTree
+from lmserve.speculative.tree import MIN_PATH_LOG_PROB
 from lmserve.step import SeqStep, StepInput
 from lmserve.worker import attention_backend
 

@@ -33,12 +33,12 @@ from lmserve.models.args import ModelArgs
 from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.spec.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength, DraftChoice
+from lmserve.speculative.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength, DraftChoice
 from lmserve.runner import ModelRunner
-from lmserve.spec.draft_model import DraftModelDrafter, draft_opt
-from lmserve.spec.eagle import EagleDrafter
-from lmserve.spec.medusa import MedusaDrafter, read_medusa_heads
-from lmserve.spec.ngram import NgramDrafter
+from lmserve.speculative.draft_model import DraftModelDrafter, draft_opt
+from lmserve.speculative.eagle import EagleDrafter
+from lmserve.speculative.medusa import MedusaDrafter, read_medusa_heads
+from lmserve.speculative.ngram import NgramDrafter
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lmserve.spec.tree import DraftTree
+from lmserve.speculative.tree import DraftTree
 
 
 @dataclass

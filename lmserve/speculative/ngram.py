@@ -23,7 +23,7 @@ import numpy as np
 
 from lmserve.request import Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.spec.tree import DraftTree
+from lmserve.speculative.tree import DraftTree
 
 
 class NgramDrafter:

@@ -34,8 +34,8 @@ from safetensors.torch import load_file
 
 from lmserve.config import EngineConfig
 from lmserve.models.args import ModelArgs
-from lmserve.spec.draft_vocab import FILE as DRAFT_VOCAB_FILE
-from lmserve.spec.draft_vocab import read_draft_vocab
+from lmserve.speculative.draft_vocab import FILE as DRAFT_VOCAB_FILE
+from lmserve.speculative.draft_vocab import read_draft_vocab
 
 _FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pt")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

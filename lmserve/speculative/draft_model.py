@@ -38,8 +38,8 @@ from lmserve.models.source import ModelSource, open_draft_model
 from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.spec.coupled import coupled_tokens, lead_with, plain_greedy
-from lmserve.spec.tree import DraftTree
+from lmserve.speculative.coupled import coupled_tokens, lead_with, plain_greedy
+from lmserve.speculative.tree import DraftTree
 from lmserve.step import SeqStep, StepInput
 
 logger = logging.getLogger("lmserve")
