@@ -10,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmserve.chat_cli import AnswerStats, run_chat
-from lmserve.cli import build_parser, engine_config_from_args, main
+from lmserve.frontend.chat_cli import AnswerStats, run_chat
+from lmserve.cli import build_parser, main
+from lmserve.engine_args import engine_config_from_args
 from lmserve.config import EngineConfig
-from lmserve.protocol import ChatCompletionChunk, ChatChunkChoice, ChatDelta, Usage
+from lmserve.frontend.openai.protocol import ChatCompletionChunk, ChatChunkChoice, ChatDelta, Usage
 
 
 def parse_chat(*argv: str):

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from lmserve.cli import main
-from lmserve.engine.openai_api import Chat, Completions
+from lmserve.frontend.openai.facades import Chat, Completions
 from lmserve.generation_defaults import LLAMA_CPP_DEFAULTS, GenerationDefaults, read_generation_defaults
 from lmserve.models.builtin import builtin_model_path
-from lmserve.protocol import ChatCompletionRequest
+from lmserve.frontend.openai.protocol import ChatCompletionRequest
 from test_openai_api import MESSAGES, FakeBackend
 
 

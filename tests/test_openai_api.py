@@ -13,8 +13,8 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from lmserve.engine.openai_api import AsyncChat, AsyncCompletions, Chat, Completions
-from lmserve.engine.openai_builders import (
+from lmserve.frontend.openai.facades import AsyncChat, AsyncCompletions, Chat, Completions
+from lmserve.frontend.openai.builders import (
     ChatResponseBuilder,
     ChatStreamBuilder,
     RequestAborted,
@@ -22,7 +22,7 @@ from lmserve.engine.openai_builders import (
 )
 from lmserve.generation_defaults import GenerationDefaults
 from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
-from lmserve.protocol import InvalidRequestError
+from lmserve.errors import InvalidRequestError
 from lmserve.sampling_params import SamplingParams
 from lmserve.tokenizer import hf_token_bytes
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmserve.protocol import ChatCompletionRequest, CompletionRequest, InvalidRequestError
+from lmserve.errors import InvalidRequestError
+from lmserve.frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -12,10 +12,10 @@ import pytest
 from conftest import wait_idle
 from lmserve import AsyncEngine
 from lmserve.cli import build_parser
-from lmserve.server.admission import AdmissionGate, Weight
-from lmserve.server.app import create_app
-from lmserve.server.errors import APIError
-from lmserve.server.settings import ServerSettings
+from lmserve.frontend.server.admission import AdmissionGate, Weight
+from lmserve.frontend.server.app import create_app
+from lmserve.frontend.server.errors import APIError
+from lmserve.frontend.server.settings import ServerSettings
 
 FAIL_AT_ONCE, FAIL_LATER = 13, 14  # seeds that make the engine fail a request (see flaky_engine)
 
@@ -159,7 +159,7 @@ def test_serve_flags():
 def test_offload_runs_at_most_its_slots_and_a_cancelled_caller_keeps_its_slot_until_done():
     import threading
 
-    from lmserve.server.offload import Offload
+    from lmserve.frontend.server.offload import Offload
 
     async def main():
         offload = Offload(slots=2)

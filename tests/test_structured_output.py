@@ -17,7 +17,7 @@ import pytest
 
 from conftest import generate_tokens, run_concurrently, wait_idle
 from lmserve import Engine
-from lmserve.protocol import InvalidRequestError
+from lmserve.errors import InvalidRequestError
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured.json_schema import SchemaError, check_schema
 from lmserve.structured.params import StructuredOutputsParams as Constraint

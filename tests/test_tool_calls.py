@@ -13,12 +13,13 @@ import openai
 import pytest
 import xgrammar as xgr
 
-from lmserve.engine.openai_api import Chat
+from lmserve.frontend.openai.facades import Chat
 from lmserve.outputs import RequestOutput, SequenceDelta
-from lmserve.protocol import ChatCompletionRequest, InvalidRequestError
-from lmserve.tools.formats import TOOL_FORMATS, format_for_template
-from lmserve.tools.parser import ToolCallStream
-from lmserve.tools.prompt import tool_messages
+from lmserve.errors import InvalidRequestError
+from lmserve.frontend.openai.protocol import ChatCompletionRequest
+from lmserve.frontend.tools.formats import TOOL_FORMATS, format_for_template
+from lmserve.frontend.tools.parser import ToolCallStream
+from lmserve.frontend.tools.prompt import tool_messages
 from test_openai_api import FakeBackend, as_openai
 from test_structured_server import MODEL
 

@@ -8,7 +8,7 @@ import weakref
 from typing import Any, AsyncIterator, Optional
 
 from lmserve.engine.engine import EngineBase, new_request_id
-from lmserve.engine.openai_api import AsyncChat, AsyncCompletions
+from lmserve.frontend.openai.facades import AsyncChat, AsyncCompletions
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams
 

@@ -28,7 +28,7 @@ from lmserve.parallel.group import ParallelGroup, world_size
 from lmserve.parallel.rank import build_rank
 from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
 from lmserve.plan import make_plan, resolve_window
-from lmserve.protocol import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
+from lmserve.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from lmserve.request import Request, Sequence, SeqStatus
 from lmserve.sampler import SampleResult, sample, score_tokens, sequence_batch
 from lmserve.speculative.draft_model import draft_opt, read_draft_model

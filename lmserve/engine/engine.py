@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
 from lmserve.engine.loop import EngineLoop
-from lmserve.engine.openai_api import Chat, Completions
+from lmserve.frontend.openai.facades import Chat, Completions
 from lmserve.generation_defaults import check_generation_config
 from lmserve.outputs import EngineStats, RequestOutput
 from lmserve.sampling_params import SamplingParams

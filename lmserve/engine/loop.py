@@ -20,7 +20,7 @@ from lmserve.engine.core import EngineCore
 from lmserve.engine.thread_check import ThreadSyncCheck
 from lmserve.outputs import RequestOutput
 from lmserve.parallel.group import ParallelFailure
-from lmserve.protocol import InvalidRequestError
+from lmserve.errors import InvalidRequestError
 from lmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("lmserve")

@@ -14,7 +14,7 @@ import re
 import threading
 from typing import Any
 
-from lmserve.protocol import InvalidRequestError
+from lmserve.errors import InvalidRequestError
 from lmserve.structured.json_schema import SchemaError, check_schema
 from lmserve.structured.params import StructuredOutputsParams
 from lmserve.structured.xgrammar_lib import StructuredOutputUnavailable, import_xgrammar

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from lmserve.protocol import InvalidRequestError
+from lmserve.errors import InvalidRequestError
 from lmserve.structured.xgrammar_lib import import_xgrammar
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lmserve.protocol import InvalidRequestError
+from lmserve.errors import InvalidRequestError
 
 INSTALL_HINT = ("pip install 'lmserve[structured]', or without the GPU compiler it pulls in: "
                 "pip install --no-deps xgrammar==0.2.9 apache-tvm-ffi")

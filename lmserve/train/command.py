@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from lmserve.cli import add_engine_args, engine_config_from_args
+from lmserve.engine_args import add_engine_args, engine_config_from_args
 from lmserve.engine.core import EngineCore
 from lmserve.models.loader import load_weights
 from lmserve.outputs import EngineStats

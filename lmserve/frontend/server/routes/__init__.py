@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from lmserve.server.auth import check_api_key
-from lmserve.server.state import server_state
+from lmserve.frontend.server.auth import check_api_key
+from lmserve.frontend.server.state import server_state
 
 
 async def api_access(request: Request) -> None:
@@ -17,6 +17,6 @@ async def api_access(request: Request) -> None:
 
 
 # Last: the route modules import api_access from here.
-from lmserve.server.routes import generate, models, ops, tokenize  # noqa: E402
+from lmserve.frontend.server.routes import generate, models, ops, tokenize  # noqa: E402
 
 ROUTE_MODULES = (generate, models, tokenize, ops)

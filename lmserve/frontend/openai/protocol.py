@@ -22,7 +22,7 @@ Requests:
     ``choice``, ``grammar``, ``structural_tag``, ``disable_any_whitespace``) become
     ``SamplingParams.structured_outputs``; a request may use one of the two. ``tools``,
     ``tool_choice`` and ``parallel_tool_calls`` are read by ``ChatCompletionRequest.tool_mode``
-    (the prompt, the grammar and the parsing of calls live in ``lmserve/tools``).
+    (the prompt, the grammar and the parsing of calls live in ``lmserve/frontend/tools``).
 
 Responses:
     ``ChatCompletion``, ``ChatCompletionChunk``, ``Completion`` (OpenAI uses it for the streamed
@@ -38,7 +38,7 @@ from typing import Annotated, Any, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from lmserve.structured.params import StructuredOutputsParams
+from lmserve.errors import InvalidRequestError
 from lmserve.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -50,6 +50,7 @@ from lmserve.sampling_params import (
     MIN_SEED,
     SamplingParams,
 )
+from lmserve.structured.params import StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's limit on choices per request
 # Levels of nested lists and objects in a request. A tool's parameter schema nested 900 deep
@@ -57,31 +58,17 @@ MAX_N = 128  # OpenAI's limit on choices per request
 MAX_NESTING = 64
 
 
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request too long for the model
-
-
-class InvalidRequestError(ValueError):
-    """A request that cannot be served as asked; ``param`` names the field at fault (or None),
-    ``code`` is OpenAI's short code for the case where it has one (``context_length_exceeded``)."""
-
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
-    @classmethod
-    def from_validation_error(cls, err: ValidationError, data: Any) -> InvalidRequestError:
-        """Summarize pydantic's errors on the request ``data``, each prefixed by its dotted path
-        in ``data``; ``param`` is the top-level request field."""
-        errors = err.errors(include_url=False)
-        lines = []
-        for e in errors:
-            where = ".".join(map(str, _path_in_request(e["loc"], data, e["type"] == "missing"))) or "request"
-            what = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
-            lines.append(f"{where}: {what}")
-        param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
-        return cls("; ".join(lines), param)
+def invalid_request(err: ValidationError, data: Any) -> InvalidRequestError:
+    """Pydantic's errors on the request ``data`` as one ``InvalidRequestError``, each prefixed by
+    its dotted path in ``data``; ``param`` is the top-level request field."""
+    errors = err.errors(include_url=False)
+    lines = []
+    for e in errors:
+        where = ".".join(map(str, _path_in_request(e["loc"], data, e["type"] == "missing"))) or "request"
+        what = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{where}: {what}")
+    param = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
+    return InvalidRequestError("; ".join(lines), param)
 
 
 def _path_in_request(loc: tuple, data: Any, missing: bool) -> list:
@@ -327,7 +314,7 @@ class GenerationRequest(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            raise InvalidRequestError.from_validation_error(err, data) from None
+            raise invalid_request(err, data) from None
 
     @field_validator("stop")
     @classmethod

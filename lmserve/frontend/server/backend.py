@@ -8,11 +8,11 @@ from typing import Any, Optional
 from lmserve.engine.async_engine import AsyncEngine
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams
-from lmserve.server.metrics import ServerMetrics
+from lmserve.frontend.server.metrics import ServerMetrics
 
 
 class ServedModel:
-    """An ``AsyncBackend`` (see ``lmserve.engine.openai_api``) over an ``AsyncEngine``.
+    """An ``AsyncBackend`` (see ``lmserve.frontend.openai.facades``) over an ``AsyncEngine``.
 
     Responses carry ``name`` as their model, requests naming another model are refused, and
     every engine request's output stream passes through ``metrics``.

@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from lmserve.server.routes import api_access
-from lmserve.server.state import ServerState, server_state
+from lmserve.frontend.server.routes import api_access
+from lmserve.frontend.server.state import ServerState, server_state
 
 router = APIRouter(dependencies=[Depends(api_access)])
 

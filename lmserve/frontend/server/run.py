@@ -11,10 +11,10 @@ from typing import Optional
 import uvicorn
 
 from lmserve.engine.async_engine import AsyncEngine
-from lmserve.server.admission import AdmissionGate
-from lmserve.server.app import create_app
-from lmserve.server.protocol import HeaderTimeoutProtocol
-from lmserve.server.settings import ServerSettings
+from lmserve.frontend.server.admission import AdmissionGate
+from lmserve.frontend.server.app import create_app
+from lmserve.frontend.server.header_timeout import HeaderTimeoutProtocol
+from lmserve.frontend.server.settings import ServerSettings
 from lmserve.structured.xgrammar_lib import describe_structured_output, xgrammar_installed
 
 logger = logging.getLogger("lmserve")

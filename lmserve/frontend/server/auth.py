@@ -6,7 +6,7 @@ import secrets
 
 from fastapi import Request
 
-from lmserve.server.errors import APIError
+from lmserve.frontend.server.errors import APIError
 
 
 def check_api_key(request: Request, api_key: str) -> None:

@@ -16,15 +16,15 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from lmserve import __version__
-from lmserve.protocol import (
+from lmserve.frontend.openai.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
 )
-from lmserve.server.routes import ROUTE_MODULES
-from lmserve.server.routes.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeTextRequest
+from lmserve.frontend.server.routes import ROUTE_MODULES
+from lmserve.frontend.server.routes.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeTextRequest
 
 
 class _ErrorDetail(BaseModel):

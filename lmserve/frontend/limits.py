@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lmserve.protocol import InvalidRequestError
+from lmserve.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from lmserve.tools.formats import ToolFormat, loads_or_text
+from lmserve.frontend.tools.formats import ToolFormat, loads_or_text
 
 # The tool prompt SmolLM2 was trained with, in substance: the tools in <tools>, the calls as one
 # JSON list in <tool_call>, an empty list when no call is needed.

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
-from lmserve.protocol import (
+from lmserve.frontend.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
     ChatChunkChoice,
@@ -35,8 +35,8 @@ from lmserve.protocol import (
     Usage,
 )
 from lmserve.tokenizer import TokenBytes
-from lmserve.tools.formats import ToolFormat
-from lmserve.tools.parser import ToolCallPiece, ToolCallStream
+from lmserve.frontend.tools.formats import ToolFormat
+from lmserve.frontend.tools.parser import ToolCallPiece, ToolCallStream
 
 
 # OpenAI reports -9999.0 for tokens whose probability underflowed (JSON has no -Infinity).

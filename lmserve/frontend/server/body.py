@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 
 from fastapi import Request
 
-from lmserve.server.errors import APIError
+from lmserve.frontend.server.errors import APIError
 
 
 def _too_large(limit: int) -> APIError:

@@ -8,11 +8,11 @@ from fastapi import FastAPI
 
 from lmserve import __version__
 from lmserve.engine.async_engine import AsyncEngine
-from lmserve.server.errors import install_error_handlers
-from lmserve.server.openapi import openapi_document
-from lmserve.server.routes import ROUTE_MODULES
-from lmserve.server.settings import ServerSettings
-from lmserve.server.state import ServerState
+from lmserve.frontend.server.errors import install_error_handlers
+from lmserve.frontend.server.openapi import openapi_document
+from lmserve.frontend.server.routes import ROUTE_MODULES
+from lmserve.frontend.server.settings import ServerSettings
+from lmserve.frontend.server.state import ServerState
 
 
 def create_app(engine: AsyncEngine, settings: Optional[ServerSettings] = None) -> FastAPI:

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from lmserve.tools.formats import ToolFormat
+from lmserve.frontend.tools.formats import ToolFormat
 
 
 @dataclass(frozen=True)

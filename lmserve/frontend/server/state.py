@@ -9,16 +9,16 @@ from typing import Any
 from fastapi import Request
 
 from lmserve.engine.async_engine import AsyncEngine
-from lmserve.engine.limits import RequestLimits
-from lmserve.engine.openai_api import AsyncChat, AsyncCompletions
-from lmserve.protocol import MAX_N
-from lmserve.server.admission import AdmissionGate
-from lmserve.server.backend import ServedModel
-from lmserve.server.body import read_json_object
-from lmserve.server.errors import APIError
-from lmserve.server.metrics import ServerMetrics
-from lmserve.server.offload import Offload
-from lmserve.server.settings import ServerSettings
+from lmserve.frontend.limits import RequestLimits
+from lmserve.frontend.openai.facades import AsyncChat, AsyncCompletions
+from lmserve.frontend.openai.protocol import MAX_N
+from lmserve.frontend.server.admission import AdmissionGate
+from lmserve.frontend.server.backend import ServedModel
+from lmserve.frontend.server.body import read_json_object
+from lmserve.frontend.server.errors import APIError
+from lmserve.frontend.server.metrics import ServerMetrics
+from lmserve.frontend.server.offload import Offload
+from lmserve.frontend.server.settings import ServerSettings
 
 
 @dataclass

@@ -2,8 +2,8 @@
 ``engine.completions.create(...)``.
 
 ``Chat`` / ``Completions`` (sync) and ``AsyncChat`` / ``AsyncCompletions`` validate the request
-(protocol.py), render the chat template, run the engine requests and shape their outputs with the
-builders of ``engine/openai_builders.py``. Everything but the iteration itself is shared between
+(``protocol.py``), render the chat template, run the engine requests and shape their outputs with
+the builders of ``builders.py``. Everything but the iteration itself is shared between
 the sync and async facades. What they need from their backend (the engine) is spelled out by
 ``Backend``, ``AsyncBackend`` and ``TokenizerLike`` below.
 """
@@ -23,34 +23,33 @@ from typing import Any, Optional, Protocol, TypeVar, Union
 
 import jinja2
 
-from lmserve.engine.openai_builders import (
+from lmserve.engine.stop import prepare_stops
+from lmserve.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
+from lmserve.frontend.limits import RequestLimits
+from lmserve.frontend.openai.builders import (
     ChatResponseBuilder,
     ChatStreamBuilder,
     CompletionPrompt,
     CompletionResponseBuilder,
     CompletionStreamBuilder,
 )
-from lmserve.engine.limits import RequestLimits
-from lmserve.engine.stop import prepare_stops
-from lmserve.outputs import RequestOutput
-from lmserve.protocol import (
-    CONTEXT_LENGTH_EXCEEDED,
+from lmserve.frontend.openai.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
     GenerationRequest,
-    InvalidRequestError,
 )
+from lmserve.frontend.tools.formats import TOOL_FORMATS, ToolFormat, format_for_template
+from lmserve.frontend.tools.prompt import tool_messages
 from lmserve.generation_defaults import GenerationDefaults
+from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured.json_schema import SchemaError, check_schema
 from lmserve.structured.params import StructuredOutputsParams
 from lmserve.structured.xgrammar_lib import StructuredOutputUnavailable, xgrammar_installed
 from lmserve.tokenizer import TokenBytes, hf_token_bytes
-from lmserve.tools.formats import TOOL_FORMATS, ToolFormat, format_for_template
-from lmserve.tools.prompt import tool_messages
 
 _T = TypeVar("_T")
 

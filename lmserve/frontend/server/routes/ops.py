@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from lmserve.server.errors import APIError
-from lmserve.server.state import server_state
+from lmserve.frontend.server.errors import APIError
+from lmserve.frontend.server.state import server_state
 
 router = APIRouter()
 

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from lmserve.outputs import EngineStats, RequestOutput
-from lmserve.protocol import InvalidRequestError
+from lmserve.errors import InvalidRequestError
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Seconds, from a fast CPU decode step to a long generation; shared by every latency histogram.

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from lmserve.server.errors import APIError
+from lmserve.frontend.server.errors import APIError
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from lmserve.engine.loop import EngineShutDown
-from lmserve.protocol import InvalidRequestError
+from lmserve.errors import InvalidRequestError
 
 # The "type" per status: OpenAI's where OpenAI has the case, a plain description otherwise.
 _TYPES = {

@@ -22,12 +22,12 @@ from typing import TypeVar, Union
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel
 
-from lmserve.engine.openai_api import AsyncChatCompletions, AsyncCompletions, PreparedRequest
-from lmserve.server.admission import Weight
-from lmserve.server.errors import APIError, ClientDisconnected
-from lmserve.server.routes import api_access
-from lmserve.server.sse import EventStreamResponse
-from lmserve.server.state import ServerState, server_state
+from lmserve.frontend.openai.facades import AsyncChatCompletions, AsyncCompletions, PreparedRequest
+from lmserve.frontend.server.admission import Weight
+from lmserve.frontend.server.errors import APIError, ClientDisconnected
+from lmserve.frontend.server.routes import api_access
+from lmserve.frontend.server.sse import EventStreamResponse
+from lmserve.frontend.server.state import ServerState, server_state
 
 logger = logging.getLogger("lmserve")
 router = APIRouter(dependencies=[Depends(api_access)])

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from lmserve.server.errors import APIError
+from lmserve.frontend.server.errors import APIError
 
 DONE = b"data: [DONE]\n\n"
 

@@ -15,11 +15,12 @@ from typing import Annotated, Any, Optional
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lmserve.engine.openai_api import check_text_fits, render_chat_prompt, template_message
-from lmserve.protocol import ChatMessageParam, ChatTool, InvalidRequestError, check_json_values
-from lmserve.server.backend import ServedModel
-from lmserve.server.routes import api_access
-from lmserve.server.state import server_state
+from lmserve.frontend.openai.facades import check_text_fits, render_chat_prompt, template_message
+from lmserve.errors import InvalidRequestError
+from lmserve.frontend.openai.protocol import ChatMessageParam, ChatTool, check_json_values, invalid_request
+from lmserve.frontend.server.backend import ServedModel
+from lmserve.frontend.server.routes import api_access
+from lmserve.frontend.server.state import server_state
 
 router = APIRouter(dependencies=[Depends(api_access)])
 
@@ -54,7 +55,7 @@ def _parse(model: type[_Strict], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        raise InvalidRequestError.from_validation_error(err, body) from None
+        raise invalid_request(err, body) from None
 
 
 @router.post("/tokenize")
