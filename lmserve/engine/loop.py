@@ -14,13 +14,14 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable, Optional, TypeVar, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from lmserve.engine.core import EngineCore
 from lmserve.engine.thread_check import ThreadSyncCheck
+from lmserve.errors import InvalidRequestError
 from lmserve.outputs import RequestOutput
 from lmserve.parallel.group import ParallelFailure
-from lmserve.errors import InvalidRequestError
 from lmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("lmserve")
@@ -33,6 +34,36 @@ _T = TypeVar("_T")
 
 class EngineShutDown(RuntimeError):
     """The engine was shut down before the request finished, or before it was submitted."""
+
+
+# The commands callers post to the engine thread.
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """Nothing to do: wakes a parked thread to see that the loop has stopped."""
+
+
+_Command = Union[_Add, _Abort, _Call, _Wake]
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -81,19 +112,19 @@ class EngineLoop:
         with self._lock:
             if request_id in self._request_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            if not self._post(("add", request_id, prompt_token_ids, params, sink)):
+            if not self._post(_Add(request_id, prompt_token_ids, params, sink)):
                 raise self._stopped_error()
             self._request_ids.add(request_id)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._post(("abort", request_id))
+            self._post(_Abort(request_id))
 
     def call(self, fn: Callable[[], _T], timeout: float = 60.0) -> _T:
         """Run ``fn`` on the engine thread between two steps and return its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            posted = self._post(("call", fn, future))
+            posted = self._post(_Call(fn, future))
         if not posted:
             self._thread.join()  # once it has stopped, nothing else touches the core
             return fn()
@@ -106,7 +137,7 @@ class EngineLoop:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:
-            self._post(("wake",))
+            self._post(_Wake())
             self._stopped = True
         self._thread.join(timeout)
 
@@ -116,7 +147,7 @@ class EngineLoop:
             return EngineShutDown("the engine was shut down")
         return RuntimeError(f"the engine stopped after a failure: {self.failure}")
 
-    def _post(self, cmd: tuple) -> bool:
+    def _post(self, cmd: _Command) -> bool:
         """Queue a command (the caller holds ``_lock``); False once the engine is shut down, so
         nothing is queued after the thread's last look at the queue."""
         if self._stopped:
@@ -184,7 +215,7 @@ class EngineLoop:
                 logged = self._log_stats(now - last_log, logged)
                 last_log = now
 
-    def _wait_for_command(self) -> tuple:
+    def _wait_for_command(self) -> _Command:
         """The next command; while none comes, idle KV pages give their memory back, and once
         they all have, so does the C heap (once per idle spell)."""
         trimmed = False
@@ -197,36 +228,33 @@ class EngineLoop:
                     trim_heap()
                     trimmed = True
 
-    def _handle(self, cmd: tuple) -> None:
+    def _handle(self, cmd: _Command) -> None:
         try:
             self._handle_command(cmd)
         finally:
             with self._lock:
                 self._pending -= 1
 
-    def _handle_command(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            _, request_id, prompt, params, sink = cmd
+    def _handle_command(self, cmd: _Command) -> None:
+        if isinstance(cmd, _Add):
             try:
                 if self._stopped:
                     raise self._stopped_error()
-                self.core.add_request(request_id, prompt, params)
+                self.core.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
             except Exception as exc:
-                self._forget(request_id)
-                sink(exc)
+                self._forget(cmd.request_id)
+                cmd.sink(exc)
                 return
-            self._sinks[request_id] = sink
-        elif kind == "abort":
-            out = self.core.abort_request(cmd[1])
+            self._sinks[cmd.request_id] = cmd.sink
+        elif isinstance(cmd, _Abort):
+            out = self.core.abort_request(cmd.request_id)
             if out is not None:
                 self._deliver(out)
-        elif kind == "call":
-            _, fn, future = cmd
+        elif isinstance(cmd, _Call):
             try:
-                future.set_result(fn())
+                cmd.future.set_result(cmd.fn())
             except Exception as exc:
-                future.set_exception(exc)
+                cmd.future.set_exception(exc)
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.finished:
