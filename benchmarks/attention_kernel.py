@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from lmserve.attention.base import AttentionInput, AttentionShape, create_backend
 from lmserve.cache.kv import KVCache
+from lmserve.util import cdiv
 
 H, KVH, HD, PAGE, LAYERS = 9, 3, 64, 16, 30  # SmolLM2-135M
 BATCHES = [  # (label, new tokens per sequence, context per sequence)
@@ -101,7 +102,7 @@ def main() -> None:
     runs = [("lmserve kernel", "cpu_paged", torch.bfloat16), ("kernel, int8 KV", "cpu_paged", torch.int8),
             ("torch_native", "torch_native", torch.bfloat16)]
     backends = {name: create_backend(name, shape) for name in ("cpu_paged", "torch_native")}
-    pages = sum(-(-c // PAGE) for _, _, ctxs in BATCHES for c in ctxs)
+    pages = sum(cdiv(c, PAGE) for _, _, ctxs in BATCHES for c in ctxs)
     caches = {}  # each run's 30 layers in its backend's layout, random values (int8: written below)
     for column, name, dtype in runs:
         kv = KVCache(LAYERS, pages, PAGE, KVH, HD, dtype, keys_transposed=backends[name].keys_transposed)
@@ -115,7 +116,7 @@ def main() -> None:
     for label, qlens, ctxs in BATCHES:
         tables, first = [], 0
         for c in ctxs:
-            tables.append(list(range(first, first + -(-c // PAGE))))
+            tables.append(list(range(first, first + cdiv(c, PAGE))))
             first += len(tables[-1])
         inp = AttentionInput(qlens, ctxs, tables)
         T = sum(qlens)

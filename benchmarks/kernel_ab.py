@@ -42,6 +42,7 @@ from lmserve.attention.cpu_paged import CpuPagedBackend
 from lmserve.kernels.build import compile_flags
 from lmserve.layers.blocks import BlockWeight
 from lmserve.layers.linear import BlockLinear
+from lmserve.util import cdiv
 
 KERNELS = Path("lmserve/kernels")
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,7 +185,7 @@ def attention(builds: dict, kv: str, reps: int) -> None:
         order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(1)).tolist()
         tables, at = [], 0
         for c in ctxs:
-            tables.append(order[at: at + -(-c // PAGE)])
+            tables.append(order[at: at + cdiv(c, PAGE)])
             at += len(tables[-1])
         # Every sequence's whole context, prefilled through each build into its own caches.
         full = backend.prepare(AttentionInput(ctxs, ctxs, tables), PAGE, torch.device("cpu"))

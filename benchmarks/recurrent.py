@@ -29,6 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForC
 from lmserve.models.builtin import builtin_model_path
 from lmserve.step import SeqStep, StepInput
 from lmserve.tokenizer import Tokenizer
+from lmserve.util import cdiv
 
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768]
 WIDTH, DEPTH, VOCAB = 768, 24, 49152  # the built-in tokenizer's vocabulary
@@ -57,7 +58,7 @@ def decode_step(engine: Engine, context: int, batch: int) -> StepInput:
     """``batch`` sequences each at ``context`` tokens: their own pages (or state slot), one token."""
     core = engine._core
     page = core.plan.page_size
-    pages = -(-(context + 1) // page) if core.plan.num_pages else 0
+    pages = cdiv(context + 1, page) if core.plan.num_pages else 0
     return StepInput([SeqStep(start=context, token_ids=[100 + i], page_table=list(range(i * pages, (i + 1) * pages)),
                               num_logits=1, state_slot=i if core.plan.state else -1) for i in range(batch)])
 

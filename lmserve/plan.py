@@ -35,6 +35,7 @@ from lmserve.speculative.medusa import medusa_heads_size
 from lmserve.speculative.tree import MAX_TREE_TOKENS
 from lmserve.state_plan import StatePlan, batch_that_fits, plan_state
 from lmserve.structured.xgrammar_lib import describe_structured_output
+from lmserve.util import cdiv
 
 DEFAULT_MODE = "local"
 DEFAULT_MEMORY_UTILIZATION = 0.85
@@ -202,7 +203,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     def pages_per_sequence(single: int, chunk: int) -> int:
         """The most pages one sequence holds: its length's, or (every layer windowed) its
         window's."""
-        dense = -(-single // page)
+        dense = cdiv(single, page)
         return min(dense, window.max_pages(page, chunk + lag)) if bounded else dense
 
     def step_workspace(batch: int, chunk: int, single: int) -> int:
@@ -253,7 +254,7 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
             total = max(total, held * page)
         workspace = step_workspace(batch, chunk, single)
 
-    num_pages = 0 if recurrent_only else -(-total // page)  # ceil: the last page may be partly used
+    num_pages = 0 if recurrent_only else cdiv(total, page)  # ceil: the last page may be partly used
     state = plan_state(config, args, batch)
     draft = heads
     if draft_args is not None:
@@ -468,7 +469,7 @@ def _mixer_workspace(args: ModelArgs, batch: int, tokens: int) -> int:
         return 0
     per_token = 2 * s.inner + s.conv_dim + s.num_heads + 3 * s.conv_dim + 3 * s.inner
     states = 3 * batch * s.state_floats
-    chunks = -(-tokens // s.chunk_size)
+    chunks = cdiv(tokens, s.chunk_size)
     scan = 3 * chunks * (s.chunk_size ** 2 * s.num_heads + s.num_heads * s.head_dim * s.state_size) \
         if s.version == 2 else 0
     return 4 * (tokens * per_token + states + scan)

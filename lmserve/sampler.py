@@ -28,6 +28,7 @@ import torch
 
 from lmserve.sampling_params import SamplingParams
 from lmserve.structured.xgrammar_lib import apply_bitmask
+from lmserve.util import cdiv
 
 if TYPE_CHECKING:
     from lmserve import request
@@ -393,7 +394,7 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: np.ndarray) -> tuple[np.ndarray,
     all in torch; 16 rows 0.24 ms all in numpy).
     """
     num_rows, vocab_size = probs.shape
-    num_blocks = -(-vocab_size // _CDF_BLOCK)
+    num_blocks = cdiv(vocab_size, _CDF_BLOCK)
     if vocab_size % _CDF_BLOCK:
         probs = torch.nn.functional.pad(probs, (0, num_blocks * _CDF_BLOCK - vocab_size))
     rows = np.arange(num_rows)

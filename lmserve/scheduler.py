@@ -26,6 +26,7 @@ from lmserve.request import Sequence, SeqStatus
 from lmserve.speculative.adaptive import DraftChoice
 from lmserve.speculative.tree import DraftTree, num_in_place
 from lmserve.step import SeqStep, StepInput
+from lmserve.util import cdiv
 
 
 @dataclass(eq=False)
@@ -198,7 +199,7 @@ class Scheduler:
         if self.pipeline_depth == 1:
             return self.max_num_sequence
         admissible = min(len(self.waiting), self.max_num_sequence - len(self.running))
-        return max(1, -(-(len(self.running) + admissible) // self.pipeline_depth))
+        return max(1, cdiv(len(self.running) + admissible, self.pipeline_depth))
 
     def finish(self, seq: Sequence, recycle: bool = True) -> None:
         """Take a finished or aborted sequence out of the queues, offer its KV (and recurrent

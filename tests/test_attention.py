@@ -10,6 +10,7 @@ from lmserve.attention import cpu_paged
 from lmserve.attention.base import AttentionInput, AttentionShape, create_backend
 from lmserve.cache.kv import KVCache
 from lmserve.layers.rotary import RotaryEmbedding, apply_rotary
+from lmserve.util import cdiv
 
 H, KVH, HD, PAGE = 4, 2, 16, 4
 SHAPE = AttentionShape(H, KVH, HD)
@@ -139,7 +140,7 @@ def test_kernel_rows_do_not_depend_on_batch_company(cache, hd, page, heads, monk
     torch.manual_seed(2)
     backend = create_backend("cpu_paged", AttentionShape(H, KVH, hd))
     lengths = (150, 30, 23)
-    counts = [-(-n // page) for n in lengths]
+    counts = [cdiv(n, page) for n in lengths]
     order = torch.randperm(sum(counts)).tolist()
     pages = [order[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(3)]
     # float32 rows and outputs (a bf16 output would round most one-bit differences away)
@@ -178,7 +179,7 @@ def test_a_nan_key_makes_exactly_the_rows_that_see_it_nan(name, cache, page, bad
     full = torch.randn(21, (H + 2 * KVH) * HD)
     poisoned = full.clone()
     poisoned[bad, H * HD] = float("nan")  # the first dimension of KV head 0's key
-    pages = [[5, 2, 7, 0, 6, 3][: -(-21 // page)]]
+    pages = [[5, 2, 7, 0, 6, 3][: cdiv(21, page)]]
     outs = []
     for qkv in (full, poisoned):
         caches = make_caches(backend, 8, cache)
@@ -272,7 +273,7 @@ def test_draft_tree_tokens_attend_as_their_chain_would(name, cache, page, hd, mo
     done, masks = 37, tree_masks(TREE_PARENTS)
     prefix = torch.randn(done, (H + 2 * KVH) * hd)
     rows = torch.randn(len(masks), (H + 2 * KVH) * hd)
-    n_pages = -(-(done + len(masks)) // page)
+    n_pages = cdiv(done + len(masks), page)
     pages = torch.randperm(2 * n_pages)[:n_pages].tolist()
 
     caches = make_caches(backend, 2 * n_pages, cache)
@@ -316,7 +317,7 @@ def test_moved_tree_path_reads_as_if_decoded_in_place(name, cache, page, monkeyp
     prefix = torch.randn(done, (H + 2 * KVH) * HD)
     rows = torch.randn(len(masks), (H + 2 * KVH) * HD)
     after = torch.randn(1, (H + 2 * KVH) * HD)  # the token after the accepted path
-    n_pages = -(-(done + len(masks)) // page)
+    n_pages = cdiv(done + len(masks), page)
     pages = torch.randperm(2 * n_pages)[:n_pages].tolist()
     chain = torch.cat([prefix, rows[path], after])
     at = done + len(path)

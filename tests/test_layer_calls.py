@@ -10,6 +10,7 @@ from lmserve.attention.base import AttentionInput, AttentionShape
 from lmserve.attention.cpu_paged import why_unsupported
 from lmserve.layers.linear import BlockLinear, DenseLinear, dense_kernel_unavailable, int8_kernel_unavailable
 from lmserve.models.llama import ForwardContext
+from lmserve.util import cdiv
 from tiny_models import make_gguf_llama, make_hf_llama
 
 needs_kernels = pytest.mark.skipif(
@@ -25,7 +26,7 @@ def hidden_both_ways(engine: Engine, query_lens: list[int], done: list[int]) -> 
     core = engine._core
     runner, page = core.runner, core.plan.page_size
     ctx_lens = [d + n for d, n in zip(done, query_lens)]
-    tables = [core.pool.alloc(-(-c // page)) for c in ctx_lens]
+    tables = [core.pool.alloc(cdiv(c, page)) for c in ctx_lens]
     try:
         window = runner.window
         inp = AttentionInput(query_lens, ctx_lens, tables, window=window)

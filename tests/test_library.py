@@ -213,6 +213,7 @@ _LOAD_SCRIPT = textwrap.dedent("""
     import json, os, struct, sys
     from lmserve import Engine, SamplingParams
     from lmserve.library.tree import to_tree
+    from lmserve.util import cdiv
     engine = Engine(model_lib=sys.argv[1], verbose=False)
     out = [[d for o in engine.generate(p, SamplingParams(max_tokens=8, temperature=0, logprobs=0))
             for d in o.deltas] for p in json.loads(sys.argv[2])]
@@ -231,7 +232,7 @@ _LOAD_SCRIPT = textwrap.dedent("""
     # Pages of the tensors written to (copy on write made them anonymous: pagemap bit 61 off).
     pagemap, written = os.open("/proc/self/pagemap", os.O_RDONLY), 0
     for t in tensors.values():
-        first, end = t.data_ptr() // 4096, -(-(t.data_ptr() + t.numel() * t.element_size()) // 4096)
+        first, end = t.data_ptr() // 4096, cdiv(t.data_ptr() + t.numel() * t.element_size(), 4096)
         for (entry,) in struct.iter_unpack("<Q", os.pread(pagemap, 8 * (end - first), 8 * first)):
             written += entry >> 63 & 1 and not entry >> 61 & 1
     engine.shutdown()

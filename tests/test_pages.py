@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from lmserve.cache.kv import KVCache
-from lmserve.cache.pages import OutOfPages, PagePool, pages_needed
+from lmserve.cache.free_list import OutOfIds
+from lmserve.cache.pages import PagePool
+from lmserve.util import cdiv
 
 
 def test_alloc_hands_out_lowest_ids_first_then_the_most_recently_freed():
@@ -51,7 +53,7 @@ def test_idle_pages_are_the_used_ones_free_long_enough_each_reported_once(monkey
 def test_alloc_is_all_or_nothing():
     pool = PagePool(3)
     pool.alloc(2)
-    with pytest.raises(OutOfPages, match="asked for 2 pages, 1 free"):
+    with pytest.raises(OutOfIds, match="asked for 2 pages, 1 free"):
         pool.alloc(2)
     assert pool.num_free == 1
 
@@ -73,13 +75,13 @@ def test_misuse_is_refused():
         pool.release([0])
     with pytest.raises(ValueError, match="page 1 is free"):
         pool.share([1])
-    with pytest.raises(ValueError, match="num_pages must be >= 0"):
+    with pytest.raises(ValueError, match="number of pages must be >= 0"):
         PagePool(-1)
 
 
 @pytest.mark.parametrize("tokens,expected", [(0, 0), (1, 1), (16, 1), (17, 2), (32, 2)])
-def test_pages_needed(tokens, expected):
-    assert pages_needed(tokens, 16) == expected
+def test_cdiv_gives_the_pages_for_tokens(tokens, expected):
+    assert cdiv(tokens, 16) == expected
 
 
 def _pfn(pagemap, address: int) -> int:

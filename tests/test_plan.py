@@ -16,6 +16,7 @@ from lmserve.plan import (
     weight_bytes,
     workspace_bytes,
 )
+from lmserve.util import cdiv
 
 GiB = 1 << 30
 
@@ -253,7 +254,7 @@ def test_a_window_on_every_layer_bounds_each_sequence_by_pages():
     plan = make_plan(EngineConfig(prefill_chunk_size=32), windowed, device_memory=16 * GiB)
     assert plan.bounded and plan.max_single_sequence_length == 2048
     # The window's 63 older keys and a 32-token chunk, one page more for alignment; no sinks.
-    assert plan.max_pages_per_sequence == -(-(63 + 32) // 16) + 1 == 7
+    assert plan.max_pages_per_sequence == cdiv(63 + 32, 16) + 1 == 7
     assert re.search(r"sliding_window +64 tokens on every layer\n", plan.describe())
     # Server mode sizes the KV for every sequence's page cap, not its length.
     server = make_plan(EngineConfig(mode="server", max_num_sequence=8, prefill_chunk_size=32),
@@ -281,7 +282,7 @@ def test_streaming_past_the_context_needs_a_window_within_it():
     plan = make_plan(EngineConfig(**config), _args(2048))
     # Local mode keeps KV for one stream: its sinks, window and a prefill chunk.
     assert plan.max_single_sequence_length == 10**6
-    assert plan.max_total_sequence_length == (1 + -(-(999 + 2048) // 16) + 1) * 16
+    assert plan.max_total_sequence_length == (1 + cdiv(999 + 2048, 16) + 1) * 16
     # A KV capacity of its own choosing, far below the stream's length, is enough for its window.
     capped = make_plan(EngineConfig(**config, max_total_sequence_length=4096), _args(2048))
     assert capped.max_total_sequence_length == 4096 and capped.max_pages_per_sequence == 193

@@ -13,6 +13,7 @@ import torch
 from conftest import concurrently, wait_idle
 from lmserve import Engine, SamplingParams
 from lmserve.scheduler import SCORED_ROWS_PER_STEP
+from lmserve.util import cdiv
 from tiny_models import make_hf_recurrent
 
 TOL = 1e-4  # float32 both sides; only the summation order differs
@@ -102,7 +103,7 @@ def test_max_tokens_zero_scores_and_generates_nothing(tiny_model_dir, tiny):
         # A long prompt is scored SCORED_ROWS_PER_STEP tokens a step (each a vocabulary's row).
         long, steps = list(range(3000, 3600)), engine.stats().steps
         scored, _, _ = run(engine, long, SamplingParams(max_tokens=0, prompt_logprobs=1))
-        assert engine.stats().steps - steps == -(-len(long) // SCORED_ROWS_PER_STEP)
+        assert engine.stats().steps - steps == cdiv(len(long), SCORED_ROWS_PER_STEP)
         check_against(reference_logprobs(tiny, long), long, scored, 1)
         wait_idle(engine)
         assert engine.kv_pages_in_use() == 0

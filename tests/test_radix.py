@@ -2,6 +2,7 @@
 
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
+from lmserve.util import cdiv
 
 PS = 4  # tokens per page
 
@@ -13,7 +14,7 @@ def make(num_pages=16, max_recycled=None):
 
 def seq_pages(pool, tokens):
     """Pages a sequence of ``tokens`` would hold after computing them all."""
-    return pool.alloc(-(-len(tokens) // PS))
+    return pool.alloc(cdiv(len(tokens), PS))
 
 
 def test_match_is_page_aligned_and_takes_no_reference():

@@ -9,7 +9,7 @@ import torch
 from conftest import churn_with_aborts, generate_tokens, run_concurrently, wait_idle
 from lmserve import AsyncEngine, Engine, SamplingParams
 from lmserve.cache.snapshots import StateSnapshots
-from lmserve.cache.state import StateSlots
+from lmserve.cache.free_list import FreeList
 from lmserve.cache.state_manager import StateManager
 from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.config import EngineConfig
@@ -333,7 +333,7 @@ def test_snapshots_match_the_longest_prefix_and_evict_the_least_recent():
 
 
 def test_state_manager_slots_rollback_and_snapshots():
-    slots = StateSlots(2 * 3 + 1)
+    slots = FreeList(2 * 3 + 1, "state slots")
     states = StateManager(slots, history=2, snapshots=StateSnapshots(1), snapshot_every=4)
     a = _seq(list(range(10)))
     states.ensure(a)
@@ -358,7 +358,7 @@ def test_state_manager_slots_rollback_and_snapshots():
 
 
 def test_prompt_chunks_end_at_snapshot_points_and_choices_wait_for_the_fork():
-    states = StateManager(StateSlots(20), history=0, snapshots=StateSnapshots(4), snapshot_every=16,
+    states = StateManager(FreeList(20, "state slots"), history=0, snapshots=StateSnapshots(4), snapshot_every=16,
                           align=8)
     request = Request("r", list(range(30)), SamplingParams(n=2))
     first, second = (Sequence(request, i, list(range(30)), None) for i in range(2))

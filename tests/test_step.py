@@ -7,13 +7,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lmserve.cache.manager import KVCacheManager
-from lmserve.cache.pages import PagePool, pages_needed
+from lmserve.cache.pages import PagePool
 from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
 from lmserve.request import Request, Sequence
 from lmserve.sampling_params import SamplingParams
 from lmserve.scheduler import Scheduler
 from lmserve.step import SeqStep, StepInput
+from lmserve.util import cdiv
 
 
 def _seq(name: str, tokens: list[int]) -> Sequence:
@@ -54,8 +55,8 @@ def test_the_runner_gives_the_last_k_tokens_logits_from_plain_data_alone(tiny_mo
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     a, b = [5, 17, 300, 42, 7, 9, 1000, 12, 8, 40], [3, 4, 5, 6, 8]
     page = core.plan.page_size
-    pages_a = core.pool.alloc(pages_needed(len(a), page))
-    pages_b = core.pool.alloc(pages_needed(len(b), page))
+    pages_a = core.pool.alloc(cdiv(len(a), page))
+    pages_b = core.pool.alloc(cdiv(len(b), page))
 
     first = core.runner.execute(StepInput([SeqStep(0, a[:4], pages_a, 0), SeqStep(0, b, pages_b, 3)]))
     second = core.runner.execute(StepInput([SeqStep(4, a[4:], pages_a, 4)]))

@@ -15,6 +15,7 @@ from lmserve.cache.kv import KVCache
 from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
 from lmserve.layers.rotary import RotaryEmbedding, apply_rotary
+from lmserve.util import cdiv
 from prompts import CHAT_PROMPTS, long_prompt
 from test_reference import assert_matches_transformers
 from tiny_models import make_hf_llama
@@ -51,10 +52,10 @@ def run_window_steps(backend, window, chunks, qkv, page, rotary, hd, release=Tru
     every layer, releasing (when ``release``) the pages no later query sees, as the manager does;
     returns the attention output of every token (L, H, hd)."""
     L = qkv.shape[0]
-    n_pages = -(-L // page)
+    n_pages = cdiv(L, page)
     kv = KVCache(1, n_pages + 1, page, KVH, hd, dtype, keys_transposed=backend.keys_transposed)
     table = list(range(n_pages, 0, -1))  # scattered, descending
-    sink_pages = -(-window.sinks // page)
+    sink_pages = cdiv(window.sinks, page)
     outs, done = [], 0
     for n in chunks:
         positions = torch.arange(done, done + n)
@@ -267,7 +268,7 @@ def test_a_stream_past_the_context_holds_at_most_its_page_cap(tmp_path):
                                    max_single_sequence_length=30_000, prefill_chunk_size=128,
                                    prefix_cache_mode="disable", verbose=False))
     cap = core.plan.max_pages_per_sequence
-    assert cap == 1 + -(-(511 + 128) // 16) + 1  # sinks, window and a chunk, one for alignment
+    assert cap == 1 + cdiv(511 + 128, 16) + 1  # sinks, window and a chunk, one for alignment
     core.add_request("long", list(range(1000, 1300)),
                      SamplingParams(temperature=0, max_tokens=6_000, ignore_eos=True))
     seq = core.requests["long"].seqs[0]
@@ -278,7 +279,7 @@ def test_a_stream_past_the_context_holds_at_most_its_page_cap(tmp_path):
         most = max(most, core.pool.num_used)
         assert core.pool.num_used <= cap
         if seq.num_computed > 2_000:  # decoding: the window and one step's token
-            assert core.pool.num_used <= 1 + -(-(511 + 1) // 16) + 1
+            assert core.pool.num_used <= 1 + cdiv(511 + 1, 16) + 1
     assert generated == 6_000 and len(seq.token_ids) == 6_300
     assert core.pool.num_used == 0 and most > 30
     core.add_request("aborted", list(range(50, 250)),

@@ -18,6 +18,7 @@ from lmserve.attention.base import AttentionBackend, AttentionInput, AttentionSh
 from lmserve.attention.window import AttentionWindow
 from lmserve.kernels.build import load_kernel_library, why_unavailable
 from lmserve.layers.call_list import THREADS, Arg, Slot, address, float_word
+from lmserve.util import cdiv
 
 _P, _I = ctypes.c_void_p, ctypes.c_int
 
@@ -103,10 +104,10 @@ class CpuPagedBackend(AttentionBackend):
         tree_bits: list[int] = []
         skips: list[int] = []
         trees = inp.tree_masks or [None] * len(inp.query_lens)
-        sink_pages = -(-inp.window.sinks // page_size) if inp.window else 0
+        sink_pages = cdiv(inp.window.sinks, page_size) if inp.window else 0
         for i, (qlen, ctx, table, masks) in enumerate(
                 zip(inp.query_lens, inp.context_lens, inp.page_tables, trees)):
-            end = -(-ctx // page_size)
+            end = cdiv(ctx, page_size)
             # Every layer windowed: only the sink pages and those of the step's windows.
             skip = 0 if inp.dense_layers else max(0, inp.first_keys(i) // page_size - sink_pages)
             used = table[:sink_pages] + table[sink_pages + skip : end] if skip else table[:end]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lmserve.attention.base import AttentionBackend, AttentionInput, register_backend
 from lmserve.attention.window import AttentionWindow
 from lmserve.layers.rotary import apply_rotary
+from lmserve.util import cdiv
 
 
 @dataclass
@@ -102,7 +103,7 @@ class TorchNativeBackend(AttentionBackend):
             elif ctx == qlen and tree is None:
                 prefills.append(PrefillPart(start, qlen, None, ctx, None))
             else:  # a chunk after a cached prefix: causal with an offset (or a tree's mask)
-                used = torch.tensor(pages[: -(-ctx // page_size)], device=device)
+                used = torch.tensor(pages[: cdiv(ctx, page_size)], device=device)
                 keys = torch.arange(len(used) * page_size).unsqueeze(0)
                 if tree is None:
                     mask = keys <= torch.arange(ctx - qlen, ctx).unsqueeze(1)
@@ -117,10 +118,10 @@ class TorchNativeBackend(AttentionBackend):
             meta.sink_cos, meta.sink_sin = inp.sink_cos, inp.sink_sin
         if decode_tokens:
             lens = torch.tensor([inp.context_lens[i] for i in decode_seqs])
-            n_pages = -(-int(lens.max()) // page_size)
+            n_pages = cdiv(int(lens.max()), page_size)
             table = torch.zeros(len(decode_seqs), n_pages, dtype=torch.long)
             for row, i in enumerate(decode_seqs):
-                used = inp.page_tables[i][: -(-inp.context_lens[i] // page_size)]
+                used = inp.page_tables[i][: cdiv(inp.context_lens[i], page_size)]
                 table[row, : len(used)] = torch.tensor(used)
             mask = torch.arange(n_pages * page_size).unsqueeze(0) < lens.unsqueeze(1)
             meta.decode_tokens = torch.tensor(decode_tokens, device=device)
@@ -179,12 +180,12 @@ def _window_parts(inp: AttentionInput, trees: list, page_size: int,
                   device: torch.device) -> list[WindowPart]:
     """Each sequence's ``WindowPart`` (see ``AttentionWindow`` for what a query sees)."""
     window: AttentionWindow = inp.window
-    sink_pages = -(-window.sinks // page_size)
+    sink_pages = cdiv(window.sinks, page_size)
     parts: list[WindowPart] = []
     start = 0
     for i, (qlen, ctx, table, tree) in enumerate(
             zip(inp.query_lens, inp.context_lens, inp.page_tables, trees)):
-        end = -(-ctx // page_size)
+        end = cdiv(ctx, page_size)
         first = max(sink_pages, inp.first_keys(i) // page_size)
         index = list(range(min(sink_pages, end))) + list(range(first, end))
         keys = (torch.tensor(index).unsqueeze(1) * page_size + torch.arange(page_size)).flatten()

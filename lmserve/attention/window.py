@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmserve.util import cdiv
+
 
 @dataclass(frozen=True)
 class AttentionWindow:
@@ -57,7 +59,7 @@ class AttentionWindow:
         """The most pages a sequence holds in a step of ``step_tokens`` tokens when every layer
         is windowed: its sink pages, and those of the ``size - 1`` keys before the step's
         first token and the step's own (one more where they straddle a page)."""
-        return -(-self.sinks // page_size) + -(-(self.size - 1 + step_tokens) // page_size) + 1
+        return cdiv(self.sinks, page_size) + cdiv(self.size - 1 + step_tokens, page_size) + 1
 
     def describe(self) -> str:
         return f"{self.size} tokens" + (f" + {self.sinks} sinks" if self.sinks else "")

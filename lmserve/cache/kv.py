@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from lmserve.util import cdiv
+
 
 class OnDemandBuffer:
     """A zero tensor whose CPU memory is taken page by page as it is first written, and can be
@@ -34,7 +36,7 @@ class OnDemandBuffer:
         read as zeros afterwards. Pages only partly inside keep their memory (and contents)."""
         if self._map is None:
             return
-        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        first = cdiv(start, mmap.PAGESIZE) * mmap.PAGESIZE
         last = end // mmap.PAGESIZE * mmap.PAGESIZE if end < len(self._map) else len(self._map)
         if last > first:
             self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
@@ -132,10 +134,10 @@ class KVCache:
             for first, end in runs:
                 start, stop = first * page_bytes, end * page_bytes
                 lo = start // mmap.PAGESIZE * mmap.PAGESIZE
-                hi = min(-(-stop // mmap.PAGESIZE) * mmap.PAGESIZE, buffer.tensor.nbytes)
+                hi = min(cdiv(stop, mmap.PAGESIZE) * mmap.PAGESIZE, buffer.tensor.nbytes)
                 if all(is_free(p) for p in range(lo // page_bytes, first)):
                     start = lo
-                if all(is_free(p) for p in range(end, min(-(-hi // page_bytes), self.num_pages))):
+                if all(is_free(p) for p in range(end, min(cdiv(hi, page_bytes), self.num_pages))):
                     stop = hi
                 buffer.discard(start, stop)
 

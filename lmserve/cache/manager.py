@@ -35,10 +35,11 @@ from typing import Optional
 
 from lmserve.attention.base import RELEASED
 from lmserve.attention.window import AttentionWindow
-from lmserve.cache.pages import PagePool, pages_needed
+from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
 from lmserve.cache.state_manager import StateManager
 from lmserve.request import Sequence
+from lmserve.util import cdiv
 
 
 class KVCacheManager:
@@ -58,7 +59,7 @@ class KVCacheManager:
         self.lazy_draft = lazy_draft
         self._draft_pages: set[int] = set()  # lazy_draft: pages that hold the draft's KV too
         self.window = window
-        self._sink_pages = -(-window.sinks // page_size) if window else 0
+        self._sink_pages = cdiv(window.sinks, page_size) if window else 0
 
     def match_prefix(self, seq: Sequence) -> bool:
         """Start a sequence without KV from the cached pages of its longest cached prefix
@@ -101,7 +102,7 @@ class KVCacheManager:
         """New pages ``allocate(seq, num_tokens, lookahead)`` would take."""
         if not self.paged:
             return 0
-        return max(0, pages_needed(seq.num_computed + num_tokens + lookahead, self.page_size)
+        return max(0, cdiv(seq.num_computed + num_tokens + lookahead, self.page_size)
                    - len(seq.pages))
 
     def allocate(self, seq: Sequence, num_tokens: int, lookahead: int = 0,
@@ -150,7 +151,7 @@ class KVCacheManager:
         that were rejected), and forget a draft model's KV of rejected tokens. Stale KV is never
         read: attention stops at the context, and the next write replaces it."""
         seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed)
-        keep = pages_needed(seq.num_computed, self.page_size)
+        keep = cdiv(seq.num_computed, self.page_size)
         if len(seq.pages) > keep:
             self.pool.release(seq.pages[keep:])
             del seq.pages[keep:]

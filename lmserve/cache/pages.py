@@ -15,42 +15,35 @@ from __future__ import annotations
 
 import time
 
-
-class OutOfPages(Exception):
-    """Raised when an allocation asks for more pages than are free."""
+from lmserve.cache.free_list import FreeList
 
 
 class PagePool:
     """A fixed set of ``num_pages`` pages with reference counts.
 
-    Free pages are handed out most recently freed first (lowest id first at the start), so the
-    ids a test sees are deterministic.
+    Free pages are handed out most recently freed first (lowest id first at the start).
     """
 
     def __init__(self, num_pages: int) -> None:
-        if num_pages < 0:  # 0: a model without attention layers (no KV)
-            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        self._free = FreeList(num_pages, "pages")  # 0 pages: a model without attention layers
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the end is handed out next
         self._refs = [0] * num_pages
         self._freed_at: dict[int, float] = {}  # free pages written since their memory was given back
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._free.num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self._free.num_used
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
     def alloc(self, n: int) -> list[int]:
-        """Take ``n`` free pages, each with one owner; all or nothing."""
-        if n > len(self._free):
-            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
+        """Take ``n`` free pages, each with one owner; all or nothing (``OutOfIds``)."""
+        pages = self._free.alloc(n)
         for p in pages:
             self._refs[p] = 1
             self._freed_at.pop(p, None)
@@ -70,7 +63,7 @@ class PagePool:
                 raise ValueError(f"page {p} released more often than taken")
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                self._free.release([p])
                 self._freed_at[p] = time.monotonic()
 
     @property
@@ -88,7 +81,3 @@ class PagePool:
             del self._freed_at[p]
         return idle
 
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    """Pages that hold ``num_tokens`` tokens."""
-    return -(-num_tokens // page_size)

@@ -19,30 +19,6 @@ def state_bytes_per_slot(ssm: SSMArgs, num_layers: int) -> int:
     return num_layers * ssm.state_floats * 4
 
 
-class StateSlots:
-    """Which slots are free: a free list over ``num_slots`` slot ids."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest id first
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)
-
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} state slots, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
-
-    def release(self, slots: list[int]) -> None:
-        self._free.extend(slots)
-
-
 class StateCache:
     """The slots' tensors, per recurrent layer: ``conv[i]`` ``(S, conv_dim, K - 1)`` and
     ``ssm[i]`` ``(S, *SSMArgs.ssm_state_shape)``, float32."""

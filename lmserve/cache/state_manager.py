@@ -17,12 +17,12 @@ from __future__ import annotations
 from typing import Optional
 
 from lmserve.cache.snapshots import StateSnapshots
-from lmserve.cache.state import StateSlots
+from lmserve.cache.free_list import FreeList
 from lmserve.request import Sequence, SeqStatus
 
 
 class StateManager:
-    def __init__(self, slots: StateSlots, history: int,
+    def __init__(self, slots: FreeList, history: int,
                  snapshots: Optional[StateSnapshots] = None, snapshot_every: int = 0,
                  align: int = 1) -> None:
         """``snapshot_every``: prompt positions (multiples of it) where a snapshot is taken as

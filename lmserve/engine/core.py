@@ -13,11 +13,11 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from lmserve.cache.free_list import FreeList
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
 from lmserve.cache.radix import RadixCache
 from lmserve.cache.snapshots import StateSnapshots
-from lmserve.cache.state import StateSlots
 from lmserve.cache.state_manager import StateManager
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.multi_step import MultiStepDecode
@@ -368,7 +368,7 @@ class EngineCore:
         align = plan.page_size if plan.num_pages else 1
         every = plan.prefill_chunk_size // align * align
         snapshots = StateSnapshots(plan.state.snapshots) if plan.state.snapshots else None
-        return StateManager(StateSlots(plan.state.num_slots), plan.state.history, snapshots,
+        return StateManager(FreeList(plan.state.num_slots, "state slots"), plan.state.history, snapshots,
                             every, align)
 
     def _score_prompts(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from lmserve.models.args import ModelArgs, SSMArgs
+from lmserve.util import cdiv
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -117,7 +118,7 @@ def _mamba_args(config: dict[str, Any], arch: str, eos_ids: list[int]) -> ModelA
                   proj_bias=bool(config.get("use_bias", False)))
     if arch == "mamba":
         rank = config.get("time_step_rank", "auto")
-        ssm = SSMArgs(version=1, dt_rank=-(-hidden // 16) if rank == "auto" else int(rank), **common)
+        ssm = SSMArgs(version=1, dt_rank=cdiv(hidden, 16) if rank == "auto" else int(rank), **common)
     else:
         ssm = SSMArgs(version=2, num_heads=int(config["num_heads"]), n_groups=int(config.get("n_groups", 1)),
                       chunk_size=int(config.get("chunk_size", 256)), dt_limit=_dt_limit(config),

@@ -18,6 +18,7 @@ import torch
 from lmserve.engine.core import EngineCore
 from lmserve.sampling_params import SamplingParams
 from lmserve.step import SeqStep, StepInput
+from lmserve.util import cdiv
 
 # Answers beyond a prompt's greedy one are sampled this warm: the model's own likely choices,
 # in contexts its greedy answer does not reach.
@@ -74,7 +75,7 @@ def features(core: EngineCore, samples: list[Sample], feature_layers: tuple[int,
     chunk = core.plan.prefill_chunk_size
     try:
         for sample in samples:
-            pages = pool.alloc(-(-len(sample.tokens) // page_size))
+            pages = pool.alloc(cdiv(len(sample.tokens), page_size))
             try:
                 rows = []
                 for start in range(0, len(sample.tokens), chunk):
