@@ -28,6 +28,7 @@ import statistics
 import time
 
 import numpy as np
+
 # lmserve before torch: its import sets libgomp's spinning (lmserve/openmp.py).
 from lmserve import Engine  # isort: skip
 import torch

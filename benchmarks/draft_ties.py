@@ -5,7 +5,8 @@ The target (``--opt``, default O0) answers the speculative benchmark's prompts g
 tokens, past the end of each answer as that benchmark does); the draft (the built-in model at
 ``--draft-opt``, default O3: the target's own weights, rounded) then scores each answer
 teacher-forced (``prompt_logprobs``): what it drafts there while the drafts before are accepted
-(up to the rounding of its KV, which a prefill writes as decoding does, in another order). Prints, per margin band, the share of positions, how often the draft's best
+(up to the rounding of its KV, which a prefill writes as decoding does, in another order). Prints, per margin
+band, the share of positions, how often the draft's best
 token is the target's, and how often the target's is among the draft's two best. Then replays
 chains of ``k`` drafts that end after the first draft with a margin under each threshold (``-``:
 never), on the recorded answers, with a step's cost from times measured in the same run (a draft

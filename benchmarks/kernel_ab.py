@@ -128,7 +128,8 @@ def gemm(builds: dict, rows: list[int], digits: int, reps: int, bits: int = 4) -
 
 
 def dense_gemm(builds: dict, rows: list[int], reps: int) -> None:
-    weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in GEMM_SHAPES] + [torch.randn(49152, 576) * 0.02]
+    weights = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in GEMM_SHAPES]
+    weights.append(torch.randn(49152, 576) * 0.02)
     for lib in builds.values():
         lib.lm_dense_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     cases = [(m, {k: torch.randn(m, k) for k in (576, 1536)}, [torch.empty(m, w.shape[0]) for w in weights])

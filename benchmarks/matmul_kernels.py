@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-
-import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 

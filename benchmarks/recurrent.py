@@ -105,9 +105,9 @@ def main() -> None:
     print(f"\n{'context':>8} {'mamba2 ms/step':>15} {'llama ms/step':>14} {'llama/mamba2':>13}"
           f" {'mamba2 tok/s':>13} {'llama tok/s':>12}")
     for length in LENGTHS:
-        m, l = ms["mamba2", length], ms["llama", length]
-        print(f"{length:>8} {m:>15.2f} {l:>14.2f} {l / m:>13.2f} {1000 * a.batch / m:>13.1f}"
-              f" {1000 * a.batch / l:>12.1f}")
+        mamba, llama = ms["mamba2", length], ms["llama", length]
+        print(f"{length:>8} {mamba:>15.2f} {llama:>14.2f} {llama / mamba:>13.2f} {1000 * a.batch / mamba:>13.1f}"
+              f" {1000 * a.batch / llama:>12.1f}")
     for name in ("mamba2", "llama"):
         print(f"{name}: step at {LENGTHS[-1]} / at {LENGTHS[0]}: "
               f"{ms[name, LENGTHS[-1]] / ms[name, LENGTHS[0]]:.2f}")

@@ -59,7 +59,8 @@ def bench(lmserve: list[str], url: str, concurrency: int, seed: int, dataset: st
     try:
         subprocess.run([*lmserve, "bench", "--base-url", url, "--dataset", dataset,
                         "--num-prompts", str(num_prompts or max(64, 2 * concurrency)),
-                        "--random-input-len", str(PROMPT_TOKENS), "--random-output-len", str(OUTPUT_TOKENS), "--random-range-ratio", "0",
+                        "--random-input-len", str(PROMPT_TOKENS), "--random-output-len", str(OUTPUT_TOKENS),
+                        "--random-range-ratio", "0",
                         "--ignore-eos", "--max-concurrency", str(concurrency), "--no-progress",
                         # new prompts for every run: the prefix cache must not serve them
                         "--seed", str(seed),

@@ -1,6 +1,7 @@
 """Resident memory of `lmserve serve --mode server` under waves of short requests, and after idle.
 
-Starts the built-in model's server, sends waves of short completion requests at a fixed concurrency (each one sequence of a few pages), and prints the server's
+Starts the built-in model's server, sends waves of short completion requests at a fixed concurrency (each one
+sequence of a few pages), and prints the server's
 resident memory and KV use after every wave and after the server has been idle a while. With the
 KV pool handing out its oldest free page the RSS climbed by the pages each wave touched, on the
 way to the whole pool; it should now stay near the KV in use and come back after a burst.

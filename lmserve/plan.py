@@ -154,7 +154,8 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     Values given in the config always win. ``device_memory`` defaults to the machine's RAM.
     ``draft_args``: the draft model of ``speculative_mode="small_draft"`` or the layer of an
     EAGLE head, whose weights and KV (a second set of tensors over the same pages, at the
-    drafter's level ``draft_opt``, default the config's draft_opt knob) share the budget. ``stage_layers_given``: the pipeline stages'
+    drafter's level ``draft_opt``, default the config's draft_opt knob) share the budget.
+    ``stage_layers_given``: the pipeline stages'
     layers a model library was compiled with (else split here).
     Raises ``ValueError`` with the numbers when the plan cannot work.
     """

@@ -11,9 +11,9 @@ from lmserve.attention.base import AttentionBackend, AttentionInput
 from lmserve.attention.window import AttentionWindow
 from lmserve.cache.kv import KVCache
 from lmserve.cache.state import StateCache
+from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.ssm import StateMeta, StateRun
 from lmserve.layers.ssm_kernels import SSMKernels
-from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.models.llama import ForwardContext
 from lmserve.parallel.all_reduce import AllReduce
 from lmserve.step import StepInput

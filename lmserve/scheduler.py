@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from lmserve.cache.manager import KVCacheManager
-from lmserve.request import Sequence, SeqStatus
+from lmserve.request import SeqStatus, Sequence
 from lmserve.speculative.adaptive import DraftChoice
 from lmserve.speculative.tree import DraftTree, num_in_place
 from lmserve.step import SeqStep, StepInput

@@ -18,12 +18,11 @@ from lmserve.cache.state import StateCache
 from lmserve.config import OptFlags
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.fused import FusedOps, TorchOps
+from lmserve.layers.linear import FLOAT_DTYPES, resolve_act_dtype, resolve_mlp_acts, resolve_weight_format
 from lmserve.layers.ssm_kernels import SSMKernels
-from lmserve.layers.linear import (FLOAT_DTYPES, resolve_act_dtype, resolve_mlp_acts,
-                                   resolve_weight_format)
 from lmserve.models.args import ModelArgs
-from lmserve.models.loader import load_weights
 from lmserve.models.llama import LlamaModel
+from lmserve.models.loader import load_weights
 from lmserve.models.registry import model_class
 from lmserve.parallel.all_reduce import AllReduce
 from lmserve.parallel.shard import TensorShard, check_shardable, shard_args, shard_weights
@@ -75,7 +74,8 @@ def build_worker(model: LlamaModel, plan: EnginePlan, opt: OptFlags, device: tor
     backend = None  # a model without attention layers (Mamba) has neither backend nor KV
     if args.attention_layers:
         backend = attention_backend(shape, plan.kv_dtype, opt, plan.page_size)
-    kv = KVCache(sum(i in model.layer_ids for i in args.attention_layers), plan.num_pages, plan.page_size, args.num_kv_heads,
+    num_layers = sum(i in model.layer_ids for i in args.attention_layers)
+    kv = KVCache(num_layers, plan.num_pages, plan.page_size, args.num_kv_heads,
                  args.head_dim, kv_dtype, device, backend is not None and backend.keys_transposed)
     states = None
     if plan.state is not None:

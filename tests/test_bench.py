@@ -381,8 +381,8 @@ def test_bench_json_schema_dataset_against_lmserve_serve(server_url, tmp_path):
 def test_spec_decode_counters_are_read_from_lmservess_and_vllms_metrics():
     from prometheus_client import generate_latest
 
-    from lmserve.outputs import EngineStats
     from lmserve.frontend.server.metrics import ServerMetrics
+    from lmserve.outputs import EngineStats
 
     stats = EngineStats(1, 0, 3, 10, 0, 5, 7, 9, 0, 0, 0, spec_num_drafts=4,
                         spec_num_draft_tokens=12, spec_num_accepted_tokens=6,

@@ -7,8 +7,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from lmserve.layers.blocks import BlockWeight, from_gguf_blocks
-from lmserve.layers.linear import (BlockLinear, DenseLinear, block_kernel_unavailable,
-                                   dense_kernel_unavailable, int8_kernel_unavailable, make_linear)
+from lmserve.layers.linear import (
+    BlockLinear,
+    DenseLinear,
+    block_kernel_unavailable,
+    dense_kernel_unavailable,
+    int8_kernel_unavailable,
+    make_linear,
+)
 
 needs_kernel = pytest.mark.skipif(block_kernel_unavailable() is not None,
                                   reason=f"C++ kernel unavailable: {block_kernel_unavailable()}")

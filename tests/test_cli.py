@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from lmserve.frontend.chat_cli import AnswerStats, run_chat
 from lmserve.cli import build_parser, main
-from lmserve.engine_args import engine_config_from_args
 from lmserve.config import EngineConfig
-from lmserve.frontend.openai.protocol import ChatCompletionChunk, ChatChunkChoice, ChatDelta, Usage
+from lmserve.engine_args import engine_config_from_args
+from lmserve.frontend.chat_cli import AnswerStats, run_chat
+from lmserve.frontend.openai.protocol import ChatChunkChoice, ChatCompletionChunk, ChatDelta, Usage
 
 
 def parse_chat(*argv: str):

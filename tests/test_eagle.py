@@ -10,22 +10,21 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import (assert_drafts_keep_the_distribution, generate_tokens, plain_outputs,
-                      run_concurrently, wait_idle)
+from conftest import assert_drafts_keep_the_distribution, generate_tokens, plain_outputs, run_concurrently, wait_idle
 from lmserve import Engine, SamplingParams
 from lmserve.cache.kv import kv_bytes_per_head
 from lmserve.config import EngineConfig
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
-from lmserve.speculative.draft_vocab import read_draft_vocab, write_draft_vocab
+from lmserve.request import Request, Sequence
+from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.speculative import eagle
+from lmserve.speculative.draft_vocab import read_draft_vocab, write_draft_vocab
+from lmserve.speculative.dynamic_tree import CandidateTree
 from lmserve.speculative.eagle import EagleDrafter
 from lmserve.speculative.eagle_heads import eagle_layer_args, read_eagle_heads
 from lmserve.speculative.head_nets import EagleNet
-from lmserve.request import Request, Sequence
-from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.speculative.dynamic_tree import CandidateTree
 from lmserve.step import SeqStep, StepInput
 from tiny_models import make_hf_llama
 

@@ -8,8 +8,9 @@ import threading
 import pytest
 import torch
 
-from conftest import (churn_with_aborts, concurrently, generate_tokens as run_one,
-                      run_concurrently as run_together, wait_idle)
+from conftest import churn_with_aborts, concurrently, wait_idle
+from conftest import generate_tokens as run_one
+from conftest import run_concurrently as run_together
 from lmserve import AsyncEngine, Engine, SamplingParams
 from prompts import CHAT_PROMPTS
 

@@ -9,9 +9,9 @@ import pytest
 
 from lmserve.cli import main
 from lmserve.frontend.openai.facades import Chat, Completions
+from lmserve.frontend.openai.protocol import ChatCompletionRequest
 from lmserve.generation_defaults import LLAMA_CPP_DEFAULTS, GenerationDefaults, read_generation_defaults
 from lmserve.models.builtin import builtin_model_path
-from lmserve.frontend.openai.protocol import ChatCompletionRequest
 from test_openai_api import MESSAGES, FakeBackend
 
 

@@ -8,14 +8,14 @@ import math
 
 import pytest
 import torch
-from conftest import generate_tokens, wait_idle
 
+from conftest import generate_tokens, wait_idle
 from lmserve import Engine, SamplingParams
+from lmserve.greedy_chain import GreedyChain, _library
+from lmserve.layers.call_list import float_word
 from lmserve.models.builtin import builtin_model_path
 from lmserve.request import Request, Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.greedy_chain import GreedyChain, _library
-from lmserve.layers.call_list import float_word
 from lmserve.speculative.draft_model import DraftModelDrafter
 from lmserve.step import SeqStep, StepInput
 

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from lmserve.kernels.build import (ISA_ENV, ISAS as ALL_ISAS, cpu_flags, kernel_isas, selected_isa,
-                                   supported_isas, tile_state_granted)
+from lmserve.kernels.build import ISA_ENV, cpu_flags, kernel_isas, selected_isa, supported_isas, tile_state_granted
+from lmserve.kernels.build import ISAS as ALL_ISAS
 
 RUNS = [isa.name for isa in supported_isas()]  # what this CPU runs, best first
 # The same, the one chosen by default first: the others are compared with it.
@@ -37,9 +37,9 @@ def in_process_with(isa: str, call: str, timeout: float = 600) -> str:
 
 def layer_outputs(path: str) -> None:
     """Every matmul and fused kernel of this process's ISA on fixed inputs, saved to ``path``."""
+    import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
-    import numpy as np
 
     from lmserve.layers.blocks import BlockWeight, from_gguf_blocks
     from lmserve.layers.fused import FusedOps
@@ -203,7 +203,8 @@ def test_the_plan_names_what_the_amx_build_multiplies_on_tiles(monkeypatch):
                                          "and bf16 matmuls; C++: int8-activation matmuls, block and bf16") in line
 
 
-KERNELS = ["int8_gemm", "block_gemm", "dense_gemm", "fused_ops", "paged_attention", "ssm_decode", "shm_all_reduce", "call_list", "decode_chain"]
+KERNELS = ["int8_gemm", "block_gemm", "dense_gemm", "fused_ops", "paged_attention", "ssm_decode", "shm_all_reduce",
+           "call_list", "decode_chain"]
 
 
 def test_every_kernel_is_built_for_every_isa():

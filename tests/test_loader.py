@@ -10,7 +10,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
-from tiny_models import make_gguf_llama, make_hf_llama, random_model
 
 from lmserve.models import builtin
 from lmserve.models.args import ModelArgs
@@ -18,6 +17,7 @@ from lmserve.models.builtin import builtin_model_path
 from lmserve.models.gguf_reader import read_gguf_args, read_gguf_weights
 from lmserve.models.hf_reader import read_hf_args, read_hf_weights
 from lmserve.models.loader import load_weights, read_model_args, resolve_model_path
+from tiny_models import make_gguf_llama, make_hf_llama, random_model
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

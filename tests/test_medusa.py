@@ -8,8 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import (assert_drafts_keep_the_distribution, generate_tokens, plain_outputs,
-                      run_concurrently, wait_idle)
+from conftest import assert_drafts_keep_the_distribution, generate_tokens, plain_outputs, run_concurrently, wait_idle
 from lmserve import Engine, SamplingParams
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.loader import read_model_args

@@ -7,9 +7,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from conftest import concurrently, generate_tokens, wait_idle
 
 import lmserve.engine.multi_step as multi_step
+from conftest import concurrently, generate_tokens, wait_idle
 from lmserve import Engine, SamplingParams
 from lmserve.models.builtin import builtin_model_path
 from lmserve.scheduler import Batch

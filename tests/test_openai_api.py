@@ -9,20 +9,20 @@ from typing import Any, Optional
 import openai.types
 import openai.types.chat
 import pytest
-from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as RustTokenizer
 from transformers import PreTrainedTokenizerFast
 
-from lmserve.frontend.openai.facades import AsyncChat, AsyncCompletions, Chat, Completions
+from lmserve.errors import InvalidRequestError
 from lmserve.frontend.openai.builders import (
     ChatResponseBuilder,
     ChatStreamBuilder,
     RequestAborted,
     token_text,
 )
+from lmserve.frontend.openai.facades import AsyncChat, AsyncCompletions, Chat, Completions
 from lmserve.generation_defaults import GenerationDefaults
 from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
-from lmserve.errors import InvalidRequestError
 from lmserve.sampling_params import SamplingParams
 from lmserve.tokenizer import hf_token_bytes
 

@@ -6,8 +6,8 @@ import mmap
 import pytest
 import torch
 
-from lmserve.cache.kv import KVCache
 from lmserve.cache.free_list import OutOfIds
+from lmserve.cache.kv import KVCache
 from lmserve.cache.pages import PagePool
 from lmserve.util import cdiv
 

@@ -75,7 +75,8 @@ def test_a_split_that_does_not_fit_is_refused_with_the_numbers(q41_model):
         check_shardable(dataclasses.replace(args, ssm_layers=(0,)), 2, blocks=False)
 
 
-needs_shm = pytest.mark.skipif(not shm_available(), reason="the C++ kernels cannot be built here (see kernels/build.py)")
+needs_shm = pytest.mark.skipif(not shm_available(),
+                               reason="the C++ kernels cannot be built here (see kernels/build.py)")
 
 
 def _ranks(tmp_path, world: int, timeout_s: float = 10.0) -> list[ShmAllReduce]:

@@ -16,8 +16,7 @@ from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
 from lmserve.parallel.group import ParallelFailure
 from lmserve.sampling_params import SamplingParams
-from test_parallel import (PROMPTS, assert_same_greedy, both, gone, preemption_prefix_and_aborts,
-                           rank_pids, run)
+from test_parallel import PROMPTS, assert_same_greedy, both, gone, preemption_prefix_and_aborts, rank_pids, run
 from tiny_models import make_gguf_llama, make_hf_llama
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from conftest import generate_tokens as tokens_of, run_concurrently, wait_idle
+from conftest import generate_tokens as tokens_of
+from conftest import run_concurrently, wait_idle
 from lmserve import Engine, SamplingParams
 
 PAGE = 16

@@ -8,11 +8,11 @@ import torch
 
 from conftest import churn_with_aborts, generate_tokens, run_concurrently, wait_idle
 from lmserve import AsyncEngine, Engine, SamplingParams
-from lmserve.cache.snapshots import StateSnapshots
 from lmserve.cache.free_list import FreeList
+from lmserve.cache.snapshots import StateSnapshots
 from lmserve.cache.state_manager import StateManager
-from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.config import EngineConfig
+from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.models.builtin import builtin_model_path
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan

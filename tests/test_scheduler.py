@@ -2,7 +2,7 @@
 
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
-from lmserve.request import Request, Sequence, SeqStatus
+from lmserve.request import Request, SeqStatus, Sequence
 from lmserve.sampling_params import SamplingParams
 from lmserve.scheduler import SCORED_ROWS_PER_STEP, Scheduler
 

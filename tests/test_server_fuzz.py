@@ -14,9 +14,9 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 
 from lmserve.config import EngineConfig
+from lmserve.frontend.server.openapi import openapi_document
 from lmserve.models.loader import read_model_args
 from lmserve.plan import make_plan
-from lmserve.frontend.server.openapi import openapi_document
 from server_process import ServerProcess
 
 CONTEXT = 64

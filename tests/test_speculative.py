@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (concurrently, generate_tokens, homogeneity_pvalue, run_concurrently,
-                      sixth_token_draws, wait_idle)
-from tiny_models import make_hf_llama
+from conftest import concurrently, generate_tokens, homogeneity_pvalue, run_concurrently, sixth_token_draws, wait_idle
 from lmserve import Engine, SamplingParams
 from lmserve.cache.manager import KVCacheManager
 from lmserve.cache.pages import PagePool
@@ -34,6 +32,7 @@ from lmserve.speculative.draft_model import DraftModelDrafter
 from lmserve.speculative.ngram import NgramDrafter, draft_depth, propose_ngram
 from lmserve.speculative.speculator import Speculator
 from lmserve.speculative.tree import DraftTree, num_in_place
+from tiny_models import make_hf_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 GREEDY_DRAFT = SamplingParams(temperature=0)

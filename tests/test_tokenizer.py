@@ -101,7 +101,8 @@ def test_special_tokens_in_decode(tok: Tokenizer) -> None:
 @pytest.mark.parametrize("messages", CHATS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(tok: Tokenizer, reference_hf, messages, add_generation_prompt) -> None:
-    expected_text = reference_hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    expected_text = reference_hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=False)
     expected_ids = reference_hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     expected_ids = expected_ids["input_ids"]
     assert tok.render_chat(messages, add_generation_prompt=add_generation_prompt) == expected_text

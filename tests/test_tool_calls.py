@@ -13,13 +13,13 @@ import openai
 import pytest
 import xgrammar as xgr
 
-from lmserve.frontend.openai.facades import Chat
-from lmserve.outputs import RequestOutput, SequenceDelta
 from lmserve.errors import InvalidRequestError
+from lmserve.frontend.openai.facades import Chat
 from lmserve.frontend.openai.protocol import ChatCompletionRequest
 from lmserve.frontend.tools.formats import TOOL_FORMATS, format_for_template
 from lmserve.frontend.tools.parser import ToolCallStream
 from lmserve.frontend.tools.prompt import tool_messages
+from lmserve.outputs import RequestOutput, SequenceDelta
 from test_openai_api import FakeBackend, as_openai
 from test_structured_server import MODEL
 

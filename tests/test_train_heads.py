@@ -15,8 +15,7 @@ from lmserve.models.loader import load_weights, read_model_args, resolve_model_p
 from lmserve.speculative.draft_vocab import FILE as DRAFT_VOCAB_FILE
 from lmserve.speculative.eagle_heads import eagle_layer_args
 from lmserve.speculative.head_nets import EagleNet, MedusaNet
-from lmserve.train.command import (acceptance_length, measure_acceptance, split_prompts,
-                                   write_eagle, write_medusa)
+from lmserve.train.command import acceptance_length, measure_acceptance, split_prompts, write_eagle, write_medusa
 from lmserve.train.data import generate
 from lmserve.train.prompts import builtin_prompts, read_prompts
 
@@ -80,7 +79,8 @@ def test_prompt_files_and_bad_arguments_are_refused_with_reasons(tmp_path, capsy
     with pytest.raises(ValueError, match=r"prompts.jsonl:3: expected a string or an object"):
         read_prompts(str(jsonl))
     for argv, message in [
-        (["--prompts", str(lines), "--num-prompts", "2", "--held-out", "1"], "ask for more than the 2 prompts there are"),
+        (["--prompts", str(lines), "--num-prompts", "2", "--held-out", "1"],
+         "ask for more than the 2 prompts there are"),
         (["--epochs", "0"], "argument --epochs: must be at least 1"),
         (["--speculative-mode", "ngram"], "train-heads runs the model without speculation"),
     ]:

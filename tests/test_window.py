@@ -188,7 +188,6 @@ def hf_mistral(hf_builtin):
     """The built-in model's weights in transformers' Mistral with a 64-token sliding window
     (transformers 5.x: a query sees keys ``kv_idx > q_idx - 64``, as AttentionWindow)."""
     from transformers import MistralConfig, MistralForCausalLM
-
     from transformers.masking_utils import sliding_window_overlay
 
     # The semantics matched (transformers 5.x; the suite runs 5.24): the last 64 keys, itself included.

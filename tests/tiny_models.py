@@ -14,9 +14,19 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
-from transformers import (BambaConfig, BambaForCausalLM, LlamaConfig, LlamaForCausalLM, Mamba2Config,
-                          Mamba2ForCausalLM, MambaConfig, MambaForCausalLM, PreTrainedModel, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (
+    BambaConfig,
+    BambaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from lmserve.models.builtin import builtin_model_path
 from lmserve.models.gguf_reader import llama3_rope_divisors, open_gguf
@@ -172,7 +182,8 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     m = np.clip(np.round(-low / np.maximum(dmin.astype(np.float32), 1e-30)), 0, 63).astype(np.uint8)
     scale, zero = d.astype(np.float32) * sc, -dmin.astype(np.float32) * m
     q = np.clip(np.round((blocks - zero[..., None]) / np.maximum(scale[..., None], 1e-30)), 0, 15).astype(np.uint8)
-    packed = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6), (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+    packed = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+                             (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
                              (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], axis=-1)  # (R, S, 12)
     runs = q[..., 0::2, :] | (q[..., 1::2, :] << 4)  # (R, S, 4, 32): blocks 2j and 2j+1
     return np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, runs.reshape(rows, -1, 128)],

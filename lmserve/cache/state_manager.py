@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lmserve.cache.snapshots import StateSnapshots
 from lmserve.cache.free_list import FreeList
-from lmserve.request import Sequence, SeqStatus
+from lmserve.cache.snapshots import StateSnapshots
+from lmserve.request import SeqStatus, Sequence
 
 
 class StateManager:

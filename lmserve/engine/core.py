@@ -7,8 +7,8 @@ import logging
 import numbers
 import random
 import time
-from dataclasses import dataclass
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -22,21 +22,21 @@ from lmserve.cache.state_manager import StateManager
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.multi_step import MultiStepDecode
 from lmserve.engine.output import OutputProcessor
+from lmserve.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from lmserve.models.source import open_model
+from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
 from lmserve.parallel.driver import ParallelRunner
 from lmserve.parallel.group import ParallelGroup, world_size
 from lmserve.parallel.rank import build_rank
-from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
 from lmserve.plan import make_plan, resolve_window
-from lmserve.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
-from lmserve.request import Request, Sequence, SeqStatus
+from lmserve.request import Request, SeqStatus, Sequence
 from lmserve.sampler import SampleResult, sample, score_tokens, sequence_batch
+from lmserve.sampling_params import OutOfVocabularyError, SamplingParams
+from lmserve.scheduler import Batch, Scheduler
 from lmserve.speculative.draft_model import draft_opt, read_draft_model
 from lmserve.speculative.eagle import build_eagle_runner
 from lmserve.speculative.eagle_heads import read_eagle_head
 from lmserve.speculative.speculator import SpecCounters, make_speculator
-from lmserve.sampling_params import OutOfVocabularyError, SamplingParams
-from lmserve.scheduler import Batch, Scheduler
 from lmserve.structured.compiler import GrammarCompiler
 from lmserve.structured.matcher import SequenceGrammar, fill_bitmask
 from lmserve.worker import build_worker

@@ -63,9 +63,10 @@ class Isa:
 # Best first. AMX is AVX-512 plus the tile instructions of Sapphire Rapids on, in the kernels
 # that have a tile path (LM_AMX: the int8 matmul's TDPBSUD, the same bits; the bf16 matmul's
 # TDPBF16PS, other last bits); only on request so far, as its int8 matmul is slower than
-# AVX-512's on 4-bit weights and its bf16 one is not measured yet (docs/performance.md). AVX-512 builds for the CPU itself (its VNNI, BF16 and
-# tuning) without tiles; AVX2 for the x86-64 v3 level (Haswell, Zen 1 on), with AVX-VNNI where
-# present; NEON for ARMv8.2 with dot products.
+# AVX-512's on 4-bit weights and its bf16 one is not measured yet (docs/performance.md).
+# AVX-512 builds for the CPU itself (its VNNI, BF16 and tuning) without tiles; AVX2 for the
+# x86-64 v3 level (Haswell, Zen 1 on), with AVX-VNNI where present; NEON for ARMv8.2 with dot
+# products.
 _AVX512_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 ISAS = [
     Isa("amx", "x86_64", (*_AVX512_NEEDS, "amx_tile", "amx_int8", "amx_bf16"),

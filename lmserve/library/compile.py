@@ -23,8 +23,7 @@ from typing import Callable
 import lmserve
 from lmserve.config import EngineConfig, opt_without_draft_opt, parse_opt
 from lmserve.kernels.build import build_kernel, kernel_names, native_isa
-from lmserve.library.library import (FORMAT, INFO_FILE, TREE_KEY, LibraryInfo, file_sha256,
-                                     package_digest)
+from lmserve.library.library import FORMAT, INFO_FILE, TREE_KEY, LibraryInfo, file_sha256, package_digest
 from lmserve.library.tensors import write_tensors
 from lmserve.library.tree import to_tree
 from lmserve.models.loader import model_fingerprint

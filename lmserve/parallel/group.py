@@ -33,11 +33,16 @@ import torch.distributed as dist
 import lmserve
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.models.source import fingerprint
-from lmserve.parallel.all_reduce import (AllReduce, GlooAllReduce, ShmAllReduce, create_segment,
-                                         segment_bytes, shm_available)
+from lmserve.parallel.all_reduce import (
+    AllReduce,
+    GlooAllReduce,
+    ShmAllReduce,
+    create_segment,
+    segment_bytes,
+    shm_available,
+)
 from lmserve.parallel.channels import Channel, GlooChannel, ShmChannel, channel_segment_bytes
-from lmserve.parallel.commands import (Commands, GlooCommands, RankLost, ShmCommands,
-                                       command_segment_bytes)
+from lmserve.parallel.commands import Commands, GlooCommands, RankLost, ShmCommands, command_segment_bytes
 from lmserve.parallel.placement import Placement, pin, placement
 
 logger = logging.getLogger("lmserve")

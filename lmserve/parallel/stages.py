@@ -18,8 +18,8 @@ import os
 import re
 from typing import Optional
 
-from lmserve.models.args import ModelArgs
 from lmserve.layers.linear import Weight
+from lmserve.models.args import ModelArgs
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

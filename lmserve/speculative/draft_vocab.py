@@ -7,7 +7,8 @@ tokens the model actually writes costs a tenth of that and loses only drafts tha
 right. EAGLE-3 publishes this as ``d2t``; for EAGLE-1/2 and Medusa heads lmserve reads a
 ``draft_vocab.json`` beside the weights (``{"token_ids": [...]}``, which ``lmserve
 train-heads`` writes: the tokens of the answers it trained on). Other engines ignore the file
-and draft over the whole vocabulary. Drafts only propose: the output never changes. A head's logits are over its draft vocabulary;
+and draft over the whole vocabulary. Drafts only propose: the output never changes. A head's logits are over
+its draft vocabulary;
 ``to_token_ids`` maps the drafter's picks back.
 """
 

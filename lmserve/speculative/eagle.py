@@ -40,8 +40,8 @@ from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.speculative.draft_level import head_formats, head_linear
 from lmserve.speculative.draft_vocab import to_token_ids
-from lmserve.speculative.eagle_heads import EagleHeads
 from lmserve.speculative.dynamic_tree import CandidateTree
+from lmserve.speculative.eagle_heads import EagleHeads
 from lmserve.speculative.tree import MIN_PATH_LOG_PROB
 from lmserve.step import SeqStep, StepInput
 from lmserve.worker import attention_backend

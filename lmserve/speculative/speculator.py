@@ -25,16 +25,15 @@ row), so greedy output is identical to speculation off, and seeded sampling too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import Callable, Optional, Protocol
 
 from lmserve.config import EngineConfig
 from lmserve.models.args import ModelArgs
 from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
+from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.speculative.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength, DraftChoice
-from lmserve.runner import ModelRunner
 from lmserve.speculative.draft_model import DraftModelDrafter, draft_opt
 from lmserve.speculative.eagle import EagleDrafter
 from lmserve.speculative.medusa import MedusaDrafter, read_medusa_heads

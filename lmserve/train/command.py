@@ -4,7 +4,8 @@ The model answers a set of prompts (the built-in varied set, or ``--prompts FILE
 states along those answers are recorded; the heads learn to predict them (``fit``); they are
 written in the layout people publish (EAGLE-1: ``config.json`` + ``model.safetensors``; Medusa:
 FasterDecoding's ``config.json`` + ``medusa_lm_head.safetensors``), so they load here and in
-other engines, with the answers' tokens as their draft vocabulary (``draft_vocab.json``); and the engine then measures their acceptance on held-out prompts.
+other engines, with the answers' tokens as their draft vocabulary (``draft_vocab.json``); and the engine then
+measures their acceptance on held-out prompts.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from lmserve.engine_args import add_engine_args, engine_config_from_args
 from lmserve.engine.core import EngineCore
+from lmserve.engine_args import add_engine_args, engine_config_from_args
 from lmserve.models.loader import load_weights
 from lmserve.outputs import EngineStats
-from lmserve.speculative.head_nets import EagleNet, MedusaNet
 from lmserve.speculative.draft_vocab import write_draft_vocab
+from lmserve.speculative.head_nets import EagleNet, MedusaNet
 from lmserve.train.data import Sample, features, generate
 from lmserve.train.fit import FitSettings, answer_vocabulary, fit_eagle, fit_medusa
 from lmserve.train.prompts import builtin_prompts, read_prompts

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
 from lmserve.frontend.openai.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -34,10 +33,10 @@ from lmserve.frontend.openai.protocol import (
     TopLogprob,
     Usage,
 )
-from lmserve.tokenizer import TokenBytes
 from lmserve.frontend.tools.formats import ToolFormat
 from lmserve.frontend.tools.parser import ToolCallPiece, ToolCallStream
-
+from lmserve.outputs import RequestOutput, SequenceDelta, TokenLogprob
+from lmserve.tokenizer import TokenBytes
 
 # OpenAI reports -9999.0 for tokens whose probability underflowed (JSON has no -Infinity).
 _LOWEST_LOGPROB = -9999.0
@@ -88,7 +87,8 @@ def completion_logprobs(
     ``start`` is the character offset of the first token in the choice's text; ``offsets``, the
     choice's UTF-8 decoder, carries a character split across tokens over to the next call. The
     tokens at the positions in ``hidden`` are not in the text (special tokens the tokenizer put
-    around an echoed prompt's text, or that decoding its ids left out): they take no room in it. Returns the logprobs and the
+    around an echoed prompt's text, or that decoding its ids left out): they take no room in it. Returns the
+    logprobs and the
     offset after the last token.
     """
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])

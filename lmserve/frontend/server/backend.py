@@ -6,9 +6,9 @@ from collections.abc import AsyncGenerator
 from typing import Any, Optional
 
 from lmserve.engine.async_engine import AsyncEngine
+from lmserve.frontend.server.metrics import ServerMetrics
 from lmserve.outputs import RequestOutput
 from lmserve.sampling_params import SamplingParams
-from lmserve.frontend.server.metrics import ServerMetrics
 
 
 class ServedModel:

@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from lmserve.outputs import EngineStats, RequestOutput
 from lmserve.errors import InvalidRequestError
+from lmserve.outputs import EngineStats, RequestOutput
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Seconds, from a fast CPU decode step to a long generation; shared by every latency histogram.

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
-from starlette.concurrency import run_in_threadpool
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 
 from lmserve.frontend.server.errors import APIError
 from lmserve.frontend.server.state import server_state

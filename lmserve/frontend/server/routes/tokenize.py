@@ -15,8 +15,8 @@ from typing import Annotated, Any, Optional
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lmserve.frontend.openai.facades import check_text_fits, render_chat_prompt, template_message
 from lmserve.errors import InvalidRequestError
+from lmserve.frontend.openai.facades import check_text_fits, render_chat_prompt, template_message
 from lmserve.frontend.openai.protocol import ChatMessageParam, ChatTool, check_json_values, invalid_request
 from lmserve.frontend.server.backend import ServedModel
 from lmserve.frontend.server.routes import api_access
