@@ -1,9 +1,10 @@
 """Turns a step (plain data, ``lmserve.step``) into flat tensors, runs the model, and returns the
-logits asked for."""
+logits asked for. ``Runner`` is what the engine calls, on one process's ``ModelRunner`` or on a
+parallel engine's ``ParallelRunner``; ``TargetWeights`` what a drafter may use of the target."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -14,9 +15,55 @@ from lmserve.cache.state import StateCache
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.ssm import StateMeta, StateRun
 from lmserve.layers.ssm_kernels import SSMKernels
+from lmserve.models.args import ModelArgs
 from lmserve.models.llama import ForwardContext
 from lmserve.parallel.all_reduce import AllReduce
 from lmserve.step import StepInput
+
+
+class TargetWeights(Protocol):
+    """What a drafter on the target (an EAGLE head) uses of it: the embedding and the head."""
+
+    args: ModelArgs
+    dtype: torch.dtype
+    embed: torch.Tensor  # (V, D)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``(R, V)`` of final hidden states ``(R, D)``."""
+        ...
+
+
+class Runner(Protocol):
+    """The target model's runner as the engine uses it."""
+
+    model: Any  # the model: a drafter sees it as ``TargetWeights``
+    # Hidden states kept for drafters on them (see ``ModelRunner``): which, and the last step's.
+    feature_layers: Optional[tuple[int, ...]]
+    features: Optional[torch.Tensor]
+
+    def execute(self, step: StepInput, features: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The step's logits ``(step.num_logits, V)``, computed now."""
+        ...
+
+    def submit(self, step: StepInput) -> Callable[[], torch.Tensor]:
+        """Start the step; the call returned gives its logits (with pipeline stages, later)."""
+        ...
+
+    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Move KV between cache slots (a verified draft tree's path into place)."""
+        ...
+
+    def discard_kv(self, pages: list[int], is_free: Callable[[int], bool]) -> None:
+        """Give the memory of free KV ``pages`` back to the system."""
+        ...
+
+    def keep_alive(self) -> None:
+        """Called every second, busy or idle (a parallel engine's ranks wait for steps)."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the runner started (a parallel engine's result thread)."""
+        ...
 
 
 class ModelRunner:
@@ -144,3 +191,9 @@ class ModelRunner:
     def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
         """Move KV between cache slots (a verified draft tree's path into place)."""
         self.kv.move(src_slots, dst_slots)
+
+    def keep_alive(self) -> None:
+        """Nothing waits on one process."""
+
+    def close(self) -> None:
+        """Nothing to stop in one process."""

@@ -9,7 +9,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -22,6 +22,7 @@ from lmserve.cache.state_manager import StateManager
 from lmserve.config import EngineConfig, parse_opt
 from lmserve.engine.multi_step import MultiStepDecode
 from lmserve.engine.output import OutputProcessor
+from lmserve.engine.verifier import NewTokens, Verifier
 from lmserve.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequestError
 from lmserve.models.source import open_model
 from lmserve.outputs import EngineStats, RequestOutput, SequenceDelta, TokenLogprob
@@ -30,7 +31,6 @@ from lmserve.parallel.group import ParallelGroup, world_size
 from lmserve.parallel.rank import build_rank
 from lmserve.plan import make_plan, resolve_window
 from lmserve.request import Request, SeqStatus, Sequence
-from lmserve.sampler import SampleResult, sample, score_tokens, sequence_batch
 from lmserve.sampling_params import OutOfVocabularyError, SamplingParams
 from lmserve.scheduler import Batch, Scheduler
 from lmserve.speculative.draft_model import draft_opt, read_draft_model
@@ -38,7 +38,7 @@ from lmserve.speculative.eagle import build_eagle_runner
 from lmserve.speculative.eagle_heads import read_eagle_head
 from lmserve.speculative.speculator import SpecCounters, make_speculator
 from lmserve.structured.compiler import GrammarCompiler
-from lmserve.structured.matcher import SequenceGrammar, fill_bitmask
+from lmserve.structured.matcher import SequenceGrammar
 from lmserve.worker import build_worker
 
 logger = logging.getLogger("lmserve")
@@ -89,7 +89,7 @@ class EngineCore:
                 self.draft_runner = build_worker(draft.load_model(draft_level), draft_plan, draft_level,
                                                  self.device)
             elif eagle is not None:  # an EAGLE head: its layer's KV over the same page ids
-                self.draft_runner = build_eagle_runner(eagle, self.runner, self.plan, draft_level,
+                self.draft_runner = build_eagle_runner(eagle, self.runner.model, self.plan, draft_level,
                                                        self.device)
             self.tokenizer = self.source.tokenizer()
             plan = self.plan
@@ -118,11 +118,13 @@ class EngineCore:
             self.scheduler = Scheduler(self.kv_manager, plan.max_num_sequence, plan.prefill_chunk_size,
                                        config.prefill_mode, lookahead,
                                        config.pipeline_parallel_stages or 1)
+            self.verifier = Verifier(self.runner, self.kv_manager, self.speculator, self.args.vocab_size,
+                                     self.tokenizer.eos_token_ids, self.device, self.scheduler.add)
             self.outputs = OutputProcessor(self.tokenizer, plan.max_single_sequence_length)
             self.grammars = GrammarCompiler(self.tokenizer, self.args.vocab_size)
             self.requests: dict[str, Request] = {}
             # Batches started and not finished: (batch, its logits when ready, start time).
-            self.in_flight: deque[tuple[Batch, Callable[[], torch.Tensor], float]] = deque()
+            self.in_flight: deque[tuple[Batch, Callable[[], Optional[torch.Tensor]], float]] = deque()
             self.counters = _Counters()
             self._said_queueing = False
             if self.group is not None:  # every rank is built, and this one is ready for steps
@@ -251,31 +253,30 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, execute, sample, append, update: one forward pass over the next batch;
+        """Schedule, start, verify, append, update: one forward pass over the next batch;
         returns each touched request's news. Sequences advance (and offer tokens to the prefix
         cache) only in ``update``, after their new tokens are known.
 
         With pipeline stages, up to one batch per stage is in flight: a step starts batches
         (of sequences not in flight) until the pipeline is full, then finishes the oldest."""
         while len(self.in_flight) < self.scheduler.pipeline_depth:
-            # A step's time counts its scheduling: that is where a drafter looks its drafts up
-            # (prompt lookup's matching) and their slots get pages, which the adaptive length
-            # must pay for as it pays for the drafts' verification.
-            started = time.perf_counter()
+            started = time.perf_counter()  # (scheduling is where drafts are looked up and get pages)
             batch = self.scheduler.schedule()
             if batch is None:
                 break
             self.in_flight.append(self._start(batch, started))
-        if not self._said_queueing and self.scheduler.waiting and (
-                len(self.scheduler.running) >= self.plan.max_num_sequence):
-            self._say_queueing()
+        self._say_if_queueing()
         if not self.in_flight:
             return []
         batch, logits, started = self.in_flight.popleft()
-        return self._finish(batch, logits(), started)
+        batch, new_tokens = self.verifier.verify(batch, logits())
+        outputs = self._append(new_tokens)
+        self.scheduler.update(batch)
+        self._record(batch, time.perf_counter() - started)
+        return outputs
 
     def _start(self, batch: Batch, started: float
-               ) -> tuple[Batch, Callable[[], torch.Tensor], float]:
+               ) -> tuple[Batch, Callable[[], Optional[torch.Tensor]], float]:
         """Draft for the batch (scheduled from ``started`` on) and start its forward pass (see
         ``ParallelRunner.submit``)."""
         now = time.monotonic()
@@ -288,28 +289,19 @@ class EngineCore:
             return batch, lambda: None, started  # its tokens are in: nothing to sample
         return batch, self.runner.submit(batch.step_input()), started
 
-    def _finish(self, batch: Batch, logits: Optional[torch.Tensor], started: float) -> list[RequestOutput]:
-        """Sample, append and update for a batch whose logits (or a multi-step run's tokens)
-        are in."""
-        if batch.tokens is not None:
-            new_tokens = [_NewTokens(batch.chunks[0].seq, batch.tokens, None)]
-        else:
-            if any(c.seq.status is SeqStatus.FINISHED for c in batch.chunks):
-                batch, logits = _without_aborted(batch, logits)
-            logits = self._score_prompts(batch, logits)
-            new_tokens = self._sample(batch, logits)
-        if self.runner.feature_layers is not None:
-            self._observe(batch)
-        self._move_accepted_kv(batch)
-        outputs = self._append(new_tokens)
-        self.scheduler.update(batch)
-        seconds = time.perf_counter() - started
+    def _record(self, batch: Batch, seconds: float) -> None:
+        """Count the batch's tokens; the drafter's length and multi-step runs learn its time
+        (which counts its scheduling: drafts cost their lookup and pages there)."""
         if self.speculator is not None:
             self.speculator.record(batch, seconds)
         if self.multi_step is not None:
             self.multi_step.record(batch, seconds)
-        self._count(batch)
-        return outputs
+        for c in batch.chunks:
+            if c.decode:
+                self.counters.decode_tokens += c.num_tokens + c.num_accepted
+            else:
+                self.counters.prefill_tokens += c.num_tokens
+        self.counters.steps += 1
 
     def close(self, kill: bool = False) -> None:
         """Stop the other ranks of a parallel engine (``kill``: at once, after a failure);
@@ -329,9 +321,12 @@ class EngineCore:
         alone = len(self.scheduler.running) == 1 and not self.scheduler.waiting
         return self.multi_step.lookahead(seqs, alone and not with_prefill)
 
-    def _say_queueing(self) -> None:
+    def _say_if_queueing(self) -> None:
         """Say once, with the numbers, that requests wait for a batch slot: a user of the
         default mode (batch 4) who sends more at once should not be left guessing."""
+        sched = self.scheduler
+        if self._said_queueing or not sched.waiting or len(sched.running) < self.plan.max_num_sequence:
+            return
         self._said_queueing = True
         hint = ("for many concurrent users use mode \"server\" (lmserve serve --mode server), "
                 "which sizes the batch to the memory" if self.plan.mode != "server"
@@ -371,82 +366,7 @@ class EngineCore:
         return StateManager(FreeList(plan.state.num_slots, "state slots"), plan.state.history, snapshots,
                             every, align)
 
-    def _score_prompts(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
-        """Record the prompt logprobs of the chunks that score their prompt and return the
-        other rows (those sampled from). Once a prompt is scored, its request's other choices
-        start."""
-        if not any(c.prompt_rows for c in batch.chunks):
-            return logits
-        sampled, row = [], 0
-        for c in batch.chunks:
-            positions, rows, req = c.prompt_rows, c.num_logits, c.seq.request
-            n = len(positions)
-            if n:
-                if positions.start != len(req.prompt_logprobs):
-                    raise RuntimeError(f"request {req.request_id}: prompt logprobs from position "
-                                       f"{positions.start}, {len(req.prompt_logprobs)} scored")
-                targets = torch.tensor(req.prompt_token_ids[positions.start + 1 : positions.stop + 1])
-                result = score_tokens(logits[row : row + n], targets, req.params.prompt_logprobs)
-                req.prompt_logprobs += [_logprob(result, r, req.params.prompt_logprobs)
-                                        for r in range(n)]
-                if req.prompt_scored:
-                    for seq in req.deferred:
-                        req.seqs.append(seq)
-                        self.scheduler.add(seq)
-                    req.deferred = []
-            sampled += range(row + n, row + rows)
-            row += rows
-        return logits[sampled]
-
-    def _sample(self, batch: Batch, logits: torch.Tensor) -> list[_NewTokens]:
-        """Each sampling chunk's new tokens: a row per drafted position and one after, sampled
-        as if the drafts before it were accepted; the drafts accepted and the target's token
-        after them (see ``lmserve.speculative.speculator``). Without drafts: one sampled token."""
-        chunks = [c for c in batch.chunks if c.samples]
-        if not chunks:
-            return []
-        # Per chunk, per row: the drafts before the row's position (the path to its draft node).
-        paths = [[[c.draft.token_ids[n] for n in c.draft.path(node)] for node in range(-1, len(c.draft))]
-                 for c in chunks]
-        rows = [(c.seq, before) for c, befores in zip(chunks, paths) for before in befores]
-        masks = fill_bitmask([(c.seq.grammar, p) for c, p in zip(chunks, paths)], self.args.vocab_size)
-        result = sample(logits, sequence_batch(rows, self.args.vocab_size, self.device,
-                                               self.tokenizer.eos_token_ids, masks))
-        sampled = result.token_ids.tolist()
-        new, row = [], 0
-        for c in chunks:
-            c.accepted = c.draft.accept(sampled[row : row + len(c.draft) + 1])
-            kept = [row] + [row + 1 + node for node in c.accepted]  # rows after each new token
-            logprobs = [_logprob(result, r, c.seq.request.params.logprobs) for r in kept]
-            new.append(_NewTokens(c.seq, [sampled[r] for r in kept],
-                                  None if logprobs[0] is None else logprobs))
-            row += len(c.draft) + 1
-        return new
-
-    def _observe(self, batch: Batch) -> None:
-        """Hand a drafter on the target's hidden states (Medusa, EAGLE) the features of each
-        chunk's verified tokens (its tokens run and the drafts accepted), from the step just run:
-        no second pass."""
-        offset, features = 0, self.runner.features
-        for c in batch.chunks:
-            end = offset + c.num_tokens
-            if c.accepted == list(range(len(c.accepted))):  # a chain's first drafts: in place
-                rows = features[offset : end + len(c.accepted)]
-            else:
-                rows = features[list(range(offset, end)) + [end + node for node in c.accepted]]
-            self.speculator.drafter.observe(c.seq, c.seq.num_computed, rows)
-            offset = end + len(c.draft)
-
-    def _move_accepted_kv(self, batch: Batch) -> None:
-        """Put the KV of accepted draft-tree paths at the positions of their depths."""
-        src, dst = [], []
-        for c in batch.chunks:
-            for a, b in c.accepted_moves():
-                src.append(self.kv_manager.slot(c.seq, a))
-                dst.append(self.kv_manager.slot(c.seq, b))
-        self.runner.move_kv(src, dst)
-
-    def _append(self, new_tokens: list[_NewTokens]) -> list[RequestOutput]:
+    def _append(self, new_tokens: list[NewTokens]) -> list[RequestOutput]:
         by_request: dict[str, RequestOutput] = {}
         for seq, token_ids, logprobs in new_tokens:
             req = seq.request
@@ -473,34 +393,6 @@ class EngineCore:
                     del self.requests[out.request_id]
         return list(by_request.values())
 
-    def _count(self, batch: Batch) -> None:
-        for c in batch.chunks:
-            if c.decode:
-                self.counters.decode_tokens += c.num_tokens + c.num_accepted
-            else:
-                self.counters.prefill_tokens += c.num_tokens
-        self.counters.steps += 1
-
-
-def _without_aborted(batch: Batch, logits: torch.Tensor) -> tuple[Batch, torch.Tensor]:
-    """The batch and its logit rows without the sequences aborted while it was in flight
-    (their pages are already free)."""
-    chunks, rows, row = [], [], 0
-    for c in batch.chunks:
-        n = c.num_logits
-        if c.seq.status is not SeqStatus.FINISHED:
-            chunks.append(c)
-            rows += range(row, row + n)
-        row += n
-    return Batch(chunks, batch.state_copies, batch.draft_choice), logits[rows]
-
-
-class _NewTokens(NamedTuple):
-    """A sequence's tokens from one step (one, or accepted drafts and one more), in order."""
-
-    seq: Sequence
-    token_ids: list[int]
-    logprobs: Optional[list[TokenLogprob]]
 
 
 def _seed(params: SamplingParams, index: int) -> Optional[int]:
@@ -517,11 +409,3 @@ def _take_prompt_logprobs(req: Request) -> Optional[list[Optional[TokenLogprob]]
         return None
     req.prompt_logprobs_reported = True
     return [None, *req.prompt_logprobs]
-
-
-def _logprob(result: SampleResult, row: int, k: Optional[int]) -> Optional[TokenLogprob]:
-    """Row ``row``'s token with its logprob and ``k`` top alternatives; None if ``k`` is None."""
-    if k is None or result.logprobs is None:
-        return None
-    top = list(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
-    return TokenLogprob(int(result.token_ids[row]), float(result.logprobs[row]), top)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -20,9 +20,8 @@ from lmserve.step import StepInput
 
 
 class ParallelRunner:
-    """A ``ModelRunner`` to the engine (``execute``, ``submit``, ``move_kv``, ``discard_kv``);
-    rank 0's own part answers everything else (its model has the embedding and head that
-    drafters share)."""
+    """The engine's ``Runner`` (``lmserve.runner``) over every rank; rank 0's own part has the
+    model's embedding and head (what drafters share) and the whole hidden state (features)."""
 
     def __init__(self, local: ModelRunner, group: ParallelGroup) -> None:
         self.local = local
@@ -31,14 +30,21 @@ class ParallelRunner:
         if group.stages > 1:
             self.results = _Results(group.links[((group.stages - 1) * group.tensor, 0)])
 
-    def __getattr__(self, name: str):
-        return getattr(self.local, name)  # model, kv, features, last_hidden, ...
+    @property
+    def model(self) -> Any:
+        return self.local.model
 
-    def __setattr__(self, name: str, value) -> None:
-        if name in ("local", "group", "results"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.local, name, value)  # feature_layers: rank 0 has the whole hidden state
+    @property
+    def feature_layers(self) -> Optional[tuple[int, ...]]:
+        return self.local.feature_layers
+
+    @feature_layers.setter
+    def feature_layers(self, layers: Optional[tuple[int, ...]]) -> None:
+        self.local.feature_layers = layers
+
+    @property
+    def features(self) -> Optional[torch.Tensor]:
+        return self.local.features
 
     def execute(self, step: StepInput, features: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.submit(step, features)()

@@ -36,7 +36,7 @@ from lmserve.layers.fused import TorchOps
 from lmserve.layers.rotary import RotaryEmbedding
 from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
-from lmserve.runner import ModelRunner
+from lmserve.runner import ModelRunner, TargetWeights
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.speculative.draft_level import head_formats, head_linear
 from lmserve.speculative.draft_vocab import to_token_ids
@@ -61,8 +61,8 @@ class EagleModel:
     drafter's level (``draft_level``), run by a ``ModelRunner`` like any model; ``forward`` also
     takes the features of the step's tokens."""
 
-    def __init__(self, heads: EagleHeads, target, level: OptFlags) -> None:
-        """``target``: the target's ``LlamaModel`` (its embedding and head are shared)."""
+    def __init__(self, heads: EagleHeads, target: TargetWeights, level: OptFlags) -> None:
+        """``target``: the target model's embedding and head, which the head shares."""
         self.args, self.version, self.target = heads.args, heads.version, target
         formats = head_formats(level)
         self.aux_layers = heads.aux_layers  # the target's features it reads (see EagleHeads)
@@ -142,17 +142,18 @@ def _head_rows(target, token_ids: torch.Tensor) -> torch.Tensor:
     return target.logits(eye).t()[token_ids].contiguous()
 
 
-def build_eagle_runner(heads: EagleHeads, target: ModelRunner, plan: EnginePlan,
+def build_eagle_runner(heads: EagleHeads, target: TargetWeights, plan: EnginePlan,
                        level: OptFlags, device: torch.device) -> ModelRunner:
-    """The head's runner at the drafter's ``level``: its model, and a one-layer KV cache over
-    the plan's pages (the target's page ids) in the plan's draft KV type."""
+    """The head's runner at the drafter's ``level``: its model over the target's embedding and
+    head, and a one-layer KV cache over the plan's pages (the target's page ids) in the plan's
+    draft KV type."""
     args = heads.args
     shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
     backend = attention_backend(shape, plan.draft_kv_dtype, level, plan.page_size)
     kv = KVCache(1, plan.num_pages, plan.page_size, args.num_kv_heads, args.head_dim,
                  KV_DTYPES[plan.draft_kv_dtype], device, backend.keys_transposed)
     positions = min(plan.max_single_sequence_length, args.context_length)
-    return ModelRunner(EagleModel(heads, target.model, level), kv, backend, TorchOps(), positions, device,
+    return ModelRunner(EagleModel(heads, target, level), kv, backend, TorchOps(), positions, device,
                        window=plan.window if plan.bounded else None)
 
 

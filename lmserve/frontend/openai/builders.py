@@ -3,7 +3,7 @@
 ``ChatStreamBuilder`` / ``CompletionStreamBuilder`` turn each ``RequestOutput`` into stream
 chunks; ``ChatResponseBuilder`` / ``CompletionResponseBuilder`` fold those same chunks into one
 response, so streaming and non-streaming results agree by construction. The Python API's facades
-(``engine/openai_api.py``) and the HTTP server both use them.
+(``facades.py``) and the HTTP server both use them.
 """
 
 from __future__ import annotations

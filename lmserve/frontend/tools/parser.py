@@ -3,7 +3,7 @@
 ``ToolCallStream.feed`` takes each text delta and returns the content to show and the tool-call
 pieces to send, OpenAI's way: a call's first piece carries its index, id, type and name with empty
 arguments, the next its arguments. A non-streamed answer is these same pieces folded
-(``openai_builders``), so both agree by construction. Text that might be the start of a call tag
+(``frontend/openai/builders.py``), so both agree by construction. Text that might be the start of a call tag
 is held back until it is known not to be one (as stop strings are); a block that does not parse
 (an answer cut by ``max_tokens``) is shown as content, never dropped.
 """
