@@ -14,11 +14,7 @@ from gguf.quants import dequantize
 
 from lmserve.layers.blocks import BlockWeight, from_gguf_blocks, gguf_block_types
 from lmserve.models.args import ModelArgs
-
-# GGUF architecture name -> ModelArgs.architecture. Mistral files use the llama tensor layout.
-_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-# llama.cpp's converter reorders q/k rows for its RoPE kernel only for these; qwen2 is stored as is.
-_ROPE_PERMUTED = {"llama", "mistral"}
+from lmserve.models.registry import family, family_of_gguf
 
 _Q = GGMLQuantizationType
 _SUPPORTED_TYPES = {
@@ -56,7 +52,7 @@ def read_gguf_args(path: str) -> ModelArgs:
     """Read the architecture hyper-parameters of a GGUF file without dequantizing any weight."""
     reader = open_gguf(path)
     gguf_arch = _get(reader, "general.architecture")
-    arch = _architecture(gguf_arch, path)
+    arch = family_of_gguf(gguf_arch, path).name
     hidden = int(_required(reader, f"{gguf_arch}.embedding_length", path))
     num_heads = int(_required(reader, f"{gguf_arch}.attention.head_count", path))
     tensors = {t.name: t for t in reader.tensors}
@@ -109,7 +105,7 @@ def read_gguf_weights(path: str, keep_blocks: bool = False) -> dict[str, torch.T
     """
     reader = open_gguf(path)
     gguf_arch = _get(reader, "general.architecture")
-    arch = _architecture(gguf_arch, path)
+    arch = family_of_gguf(gguf_arch, path).name
     num_heads = int(_required(reader, f"{gguf_arch}.attention.head_count", path))
     num_kv_heads = int(_get(reader, f"{gguf_arch}.attention.head_count_kv", num_heads))
     weights: dict[str, torch.Tensor] = {}
@@ -128,7 +124,7 @@ def read_gguf_weights(path: str, keep_blocks: bool = False) -> dict[str, torch.T
             value = _to_torch(tensor, path)
         heads = {".attn_q.": num_heads, ".attn_k.": num_kv_heads}
         for part, n_head in heads.items():
-            if arch in _ROPE_PERMUTED and part in tensor.name:
+            if family(arch).rope_permuted and part in tensor.name:
                 if isinstance(value, BlockWeight):
                     value = value.map_rows(lambda t, n=n_head: _unpermute_rope_rows(t, n))
                 else:
@@ -186,15 +182,6 @@ def _get_float(reader: GGUFReader, key: str, default: Optional[float] = None) ->
     float32 9.99999975e-06; its shortest float32 repr gives back 1e-05)."""
     value = _get(reader, key)
     return default if value is None else float(str(np.float32(value)))
-
-
-def _architecture(gguf_arch: Optional[str], path: str) -> str:
-    if gguf_arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"GGUF file {path} has architecture '{gguf_arch}', which lmserve does not support "
-            f"(supported: {', '.join(sorted(_ARCHITECTURES))})"
-        )
-    return _ARCHITECTURES[gguf_arch]
 
 
 def _hf_name(gguf_name: str) -> Optional[str]:

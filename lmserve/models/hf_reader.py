@@ -12,16 +12,9 @@ import torch
 from safetensors import safe_open
 
 from lmserve.models.args import ModelArgs, SSMArgs
+from lmserve.models.registry import family_of_hf
 from lmserve.util import cdiv
 
-_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "MambaForCausalLM": "mamba",
-    "Mamba2ForCausalLM": "mamba2",
-    "BambaForCausalLM": "bamba",
-}
 _WEIGHT_NAME = re.compile(
     r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight"
     r"|model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight"
@@ -49,14 +42,7 @@ def read_hf_args(model_dir: str) -> ModelArgs:
     config = _read_json(os.path.join(model_dir, "config.json"))
     if config is None:
         raise FileNotFoundError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
-    archs = config.get("architectures") or []
-    known = [a for a in archs if a in _ARCHITECTURES]
-    if not known:
-        raise ValueError(
-            f"{model_dir}/config.json has architectures {archs}, which lmserve does not support "
-            f"(supported: {', '.join(_ARCHITECTURES)})"
-        )
-    arch = _ARCHITECTURES[known[0]]
+    arch = family_of_hf(config.get("architectures") or [], f"{model_dir}/config.json").name
     if arch in ("mamba", "mamba2"):
         return _mamba_args(config, arch, _eos_ids(model_dir, config))
     hidden = int(config["hidden_size"])
