@@ -43,9 +43,7 @@ def builtin_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def builtin_client(builtin_server):
     """The official ``openai`` client on ``builtin_server``."""
-    import openai
-
-    with openai.OpenAI(base_url=builtin_server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+    with builtin_server.openai_client() as c:
         yield c
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Optional
 
 import httpx
+import openai
 
 
 def free_port() -> int:
@@ -55,6 +56,10 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"the server did not answer /health within {timeout} s:\n{self.log()}")
+
+    def openai_client(self) -> openai.OpenAI:
+        """The official client on this server (no retries: a test sees the first answer)."""
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0)
 
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:

@@ -26,7 +26,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+    with server.openai_client() as c:
         yield c
 
 

@@ -55,7 +55,7 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+    with server.openai_client() as c:
         yield c
 
 
@@ -179,7 +179,7 @@ def plain_install_server(model_dir, tmp_path_factory):
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice"),
 ])
 def test_without_xgrammar_constrained_requests_get_a_400_naming_the_extra(plain_install_server, kwargs, param):
-    with openai.OpenAI(base_url=plain_install_server.base_url + "/v1", api_key="unused", max_retries=0) as client:
+    with plain_install_server.openai_client() as client:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **kwargs)
         assert (info.value.param, info.value.code) == (param, "structured_output_unavailable")
@@ -189,7 +189,7 @@ def test_without_xgrammar_constrained_requests_get_a_400_naming_the_extra(plain_
 
 
 def test_without_xgrammar_the_rest_works_and_the_server_says_so_once(plain_install_server):
-    with openai.OpenAI(base_url=plain_install_server.base_url + "/v1", api_key="unused", max_retries=0) as client:
+    with plain_install_server.openai_client() as client:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
