@@ -63,6 +63,7 @@ class GreedyChain:
         self.runner = runner
         model, ops, backend = runner.model, runner.ops, runner.backend
         assert isinstance(ops, FusedOps) and isinstance(backend, CpuPagedBackend)
+        self.backend = backend
         self.buffers = {name: torch.empty(1, width, dtype=dtype)
                         for name, (width, dtype) in runner.layer_calls.buffers.items()}
         self.x = torch.empty(1, model.args.hidden_size)
@@ -87,8 +88,8 @@ class GreedyChain:
         """Up to ``passes`` greedy tokens after ``token`` at position ``start`` (its KV and the
         new tokens' but the last are written in the pages of ``page_table``); it stops after a
         token that leads the next best by less than ``margin`` or is one of ``stop_ids``."""
-        runner = self.runner
-        meta = runner.backend.prepare(AttentionInput(query_lens=[passes], context_lens=[start + passes],
+        runner, backend = self.runner, self.backend
+        meta = backend.prepare(AttentionInput(query_lens=[passes], context_lens=[start + passes],
                                                      page_tables=[page_table]),
                                       runner.kv.page_size, runner.device)
         cos, sin = runner.rotary.lookup(torch.arange(start, start + passes))
@@ -105,7 +106,7 @@ class GreedyChain:
                    _LEAD.name: leads.data_ptr(), _STOP.name: stop.data_ptr(),
                    _STOP_IDS.name: stops.data_ptr(), _NUM_STOP_IDS.name: len(stop_ids),
                    _MARGIN.name: float_word(margin)}
-        values |= runner.backend.call_values(meta, cos, sin)
-        strides = runner.backend.token_strides(meta, cos, sin) | {_TOKEN.name: 8, _NEXT.name: 8, _LEAD.name: 4}
+        values |= backend.call_values(meta, cos, sin)
+        strides = backend.token_strides(meta, cos, sin) | {_TOKEN.name: 8, _NEXT.name: 8, _LEAD.name: 4}
         done = self.calls.run_passes(values, passes, strides, stop)
         return chain[1 : done + 1].tolist()

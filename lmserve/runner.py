@@ -69,7 +69,7 @@ class Runner(Protocol):
 class ModelRunner:
     """Owns the model, the KV tensors and the attention backend; one ``execute`` per step."""
 
-    def __init__(self, model, kv: KVCache, backend: AttentionBackend, ops, max_positions: int,
+    def __init__(self, model, kv: KVCache, backend: Optional[AttentionBackend], ops, max_positions: int,
                  device: torch.device, compiled: Optional[CompiledLayerOps] = None,
                  window: Optional[AttentionWindow] = None,
                  window_layers: Optional[tuple[int, ...]] = None,

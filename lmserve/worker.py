@@ -6,7 +6,7 @@ page ids."""
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -78,10 +78,10 @@ def build_worker(model: LlamaModel, plan: EnginePlan, opt: OptFlags, device: tor
     kv = KVCache(num_layers, plan.num_pages, plan.page_size, args.num_kv_heads,
                  args.head_dim, kv_dtype, device, backend is not None and backend.keys_transposed)
     states = None
-    if plan.state is not None:
+    if plan.state is not None and args.ssm is not None:  # (a plan has state slots for recurrent layers)
         states = StateCache(args.ssm, len(args.ssm_layers), plan.state.num_slots, device)
     # cpu_paged means lmserve's C++ kernels throughout: attention and the element-wise ops.
-    ops = TorchOps()
+    ops: Union[FusedOps, TorchOps] = TorchOps()
     if isinstance(backend, CpuPagedBackend) or (backend is None and opt.attention == "cpu_paged"):
         ops = FusedOps.create() or ops
     compiled = CompiledLayerOps() if opt.compile else None  # parse_opt allows it on dense weights only

@@ -71,7 +71,7 @@ class KVCacheManager:
         if seq.num_computed or seq.pages or seq.scores_prompt:
             return False
         if self.states is not None:
-            return self._match_state(seq)
+            return self._match_state(seq, self.states)
         if self.prefix_cache is None:
             return False
         pages = self.prefix_cache.match(seq.token_ids[:-1])
@@ -85,14 +85,14 @@ class KVCacheManager:
         self.release_past_window(seq)
         return True
 
-    def _match_state(self, seq: Sequence) -> bool:
+    def _match_state(self, seq: Sequence, states: StateManager) -> bool:
         """``match_prefix`` with recurrent layers: the longest snapshot within the cached pages
         (a hybrid's) or the prompt (all recurrent)."""
-        if self.states.snapshots is None:
+        if states.snapshots is None:
             return False
         pages = self.prefix_cache.match(seq.token_ids[:-1]) if self.prefix_cache else []
         limit = len(pages) * self.page_size if self.paged else len(seq.token_ids) - 1
-        n = self.states.match(seq, limit)
+        n = states.match(seq, limit)
         seq.pages = pages[: n // self.page_size] if self.paged else []
         self.pool.share(seq.pages)
         seq.num_computed = n
@@ -112,8 +112,7 @@ class KVCacheManager:
         is evicted when even the whole cache could not make room. False: not enough memory."""
         need = self.pages_to_allocate(seq, num_tokens, lookahead)
         if need > self.pool.num_free:
-            cached = self.prefix_cache.evictable_pages() if self.prefix_cache and evict else 0
-            if need > self.pool.num_free + cached:
+            if not (self.prefix_cache and evict) or need > self.pool.num_free + self.prefix_cache.evictable_pages():
                 return False
             self.prefix_cache.evict(need - self.pool.num_free)
             # evictable_pages counts a cache-only page under a leaf still in use, which evict

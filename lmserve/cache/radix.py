@@ -120,7 +120,8 @@ class RadixCache:
     def _walk(self, tokens: Sequence[int]) -> tuple[RadixNode, list[int], int]:
         """Follow ``tokens`` down whole pages; split an edge matched only part of the way."""
         ps = self.page_size
-        node, pages, depth = self.root, [], 0
+        node, depth = self.root, 0
+        pages: list[int] = []
         while depth + ps <= len(tokens):
             child = node.children.get(tuple(tokens[depth : depth + ps]))
             if child is None:
@@ -138,18 +139,21 @@ class RadixCache:
     def _split(self, node: RadixNode, k: int) -> RadixNode:
         """Cut ``node`` after its first ``k`` pages; returns the new upper part."""
         ps = self.page_size
-        upper = RadixNode(node.key[: k * ps], node.pages[:k], node.parent)
+        parent = node.parent
+        assert parent is not None  # the root is never split: it has no key
+        upper = RadixNode(node.key[: k * ps], node.pages[:k], parent)
         upper.last_access = node.last_access
-        node.parent.children[upper.key[:ps]] = upper
+        parent.children[upper.key[:ps]] = upper
         node.key, node.pages, node.parent = node.key[k * ps :], node.pages[k:], upper
         upper.children[node.key[:ps]] = node
         return upper
 
     def _touch(self, node: RadixNode) -> None:
         now = next(self._clock)
-        while node is not None:
-            node.last_access = now
-            node = node.parent
+        up: Optional[RadixNode] = node
+        while up is not None:
+            up.last_access = now
+            up = up.parent
 
     def _nodes(self):
         stack = list(self.root.children.values())
@@ -162,6 +166,7 @@ class RadixCache:
         return all(self.pool.refcount(p) == 1 for p in node.pages)
 
     def _remove(self, node: RadixNode) -> int:
+        assert node.parent is not None  # the root is never removed
         del node.parent.children[node.key[: self.page_size]]
         self._recycled.pop(id(node), None)
         self.pool.release(node.pages)
@@ -170,7 +175,7 @@ class RadixCache:
 
     def _drop_chain(self, node: RadixNode) -> None:
         """Evict a recycled sequence's own part: from its end up, while nobody else needs it."""
-        while (node is not self.root and not node.children and self._evictable(node)
+        while (node.parent is not None and not node.children and self._evictable(node)
                and id(node) not in self._recycled):
             parent = node.parent
             self._remove(node)

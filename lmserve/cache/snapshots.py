@@ -10,7 +10,6 @@ are state slots; the least recently used goes when the cache is full or a sequen
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Optional
 
 
 class StateSnapshots:
@@ -51,10 +50,8 @@ class StateSnapshots:
             freed.append(self.evict())
         return freed
 
-    def evict(self) -> Optional[int]:
-        """Drop the least recently used snapshot; its slot, or None when the cache is empty."""
-        if not self._slots:
-            return None
+    def evict(self) -> int:
+        """Drop the least recently used snapshot (there must be one); its slot."""
         key, slot = self._slots.popitem(last=False)
         self._lengths[len(key)] -= 1
         if not self._lengths[len(key)]:

@@ -66,9 +66,10 @@ class EngineCore:
         self.args = self.source.args
         draft = read_draft_model(config, self.args)
         eagle = read_eagle_head(config, self.args)
-        draft_level = draft_opt(config, draft) if draft or eagle else None
-        self.plan = make_plan(config, self.args, draft_args=(draft and draft.args) or (eagle and eagle.args),
-                              draft_opt=draft_level, stage_layers_given=self.source.stage_layers)
+        draft_args = draft.args if draft is not None else eagle.args if eagle is not None else None
+        draft_level = draft_opt(config, draft) if draft_args is not None else None
+        self.plan = make_plan(config, self.args, draft_args=draft_args, draft_opt=draft_level,
+                              stage_layers_given=self.source.stage_layers)
         opt = parse_opt(config.opt)
         self.device = torch.device("cpu")
 
@@ -81,14 +82,16 @@ class EngineCore:
             # window on every layer it attends within the same window (pages past it are given
             # back; its drafts only need to be good guesses), else within its own, if any.
             self.draft_runner = None
-            if draft is not None:
-                draft_plan = dataclasses.replace(self.plan, kv_dtype=self.plan.draft_kv_dtype)
+            if draft is not None and draft_level is not None:
+                kv_dtype = self.plan.draft_kv_dtype
+                assert kv_dtype is not None  # (planned for every draft model)
+                draft_plan = dataclasses.replace(self.plan, kv_dtype=kv_dtype)
                 if not self.plan.bounded:
                     window, layers = resolve_window(None, None, draft.args)
                     draft_plan = dataclasses.replace(draft_plan, window=window, window_layers=layers)
                 self.draft_runner = build_worker(draft.load_model(draft_level), draft_plan, draft_level,
                                                  self.device)
-            elif eagle is not None:  # an EAGLE head: its layer's KV over the same page ids
+            elif eagle is not None and draft_level is not None:  # its layer's KV over the same page ids
                 self.draft_runner = build_eagle_runner(eagle, self.runner.model, self.plan, draft_level,
                                                        self.device)
             self.tokenizer = self.source.tokenizer()
@@ -175,11 +178,11 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params)
         # Compiled by validate() in the caller's thread: this finds it in xgrammar's cache.
-        compiled = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
+        wanted = params.structured_outputs
+        compiled = None if wanted is None else self.grammars.compile(wanted)
         for i in range(params.n):
             req.seqs.append(Sequence(req, i, list(prompt_token_ids), _seed(params, i),
-                                     grammar=None if compiled is None
-                                     else SequenceGrammar(compiled, params.structured_outputs.origin)))
+                                     grammar=None if wanted is None else SequenceGrammar(compiled, wanted.origin)))
         if not req.prompt_scored:  # the first choice scores the prompt, then the others start
             req.seqs, req.deferred = req.seqs[:1], req.seqs[1:]
         self.requests[request_id] = req
@@ -318,6 +321,7 @@ class EngineCore:
         """A run's slots for a sequence decoding alone, with nothing else running or waiting
         (``MultiStepDecode``): the scheduler's ``lookahead`` without speculation, the
         speculator's where it drafts nothing (``Speculator.plain_run``)."""
+        assert self.multi_step is not None  # (set as the lookahead only with multi-step runs)
         alone = len(self.scheduler.running) == 1 and not self.scheduler.waiting
         return self.multi_step.lookahead(seqs, alone and not with_prefill)
 

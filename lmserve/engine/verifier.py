@@ -14,8 +14,8 @@ from lmserve.outputs import TokenLogprob
 from lmserve.request import SeqStatus, Sequence
 from lmserve.runner import Runner
 from lmserve.sampler import SampleResult, sample, score_tokens, sequence_batch
-from lmserve.scheduler import Batch
-from lmserve.speculative.speculator import Speculator
+from lmserve.scheduler import Batch, ScheduledChunk
+from lmserve.speculative.speculator import FeatureDrafter, Speculator
 from lmserve.structured.matcher import fill_bitmask
 
 
@@ -62,17 +62,19 @@ class Verifier:
         start."""
         if not any(c.prompt_rows for c in batch.chunks):
             return logits
-        sampled, row = [], 0
+        sampled: list[int] = []
+        row = 0
         for c in batch.chunks:
             positions, rows, req = c.prompt_rows, c.num_logits, c.seq.request
             n = len(positions)
-            if n:
+            k = req.params.prompt_logprobs
+            if n and k is not None:  # (a chunk has prompt rows only where its request asks)
                 if positions.start != len(req.prompt_logprobs):
                     raise RuntimeError(f"request {req.request_id}: prompt logprobs from position "
                                        f"{positions.start}, {len(req.prompt_logprobs)} scored")
                 targets = torch.tensor(req.prompt_token_ids[positions.start + 1 : positions.stop + 1])
-                result = score_tokens(logits[row : row + n], targets, req.params.prompt_logprobs)
-                req.prompt_logprobs += [_logprob(result, r, req.params.prompt_logprobs) for r in range(n)]
+                result = score_tokens(logits[row : row + n], targets, k)
+                req.prompt_logprobs += [_logprob(result, r, k) for r in range(n)]
                 if req.prompt_scored:
                     for seq in req.deferred:
                         req.seqs.append(seq)
@@ -100,8 +102,9 @@ class Verifier:
         for c in chunks:
             c.accepted = c.draft.accept(sampled[row : row + len(c.draft) + 1])
             kept = [row] + [row + 1 + node for node in c.accepted]  # rows after each new token
-            logprobs = [_logprob(result, r, c.seq.request.params.logprobs) for r in kept]
-            new.append(NewTokens(c.seq, [sampled[r] for r in kept], None if logprobs[0] is None else logprobs))
+            k = c.seq.request.params.logprobs
+            logprobs = None if k is None else [_logprob(result, r, k) for r in kept]
+            new.append(NewTokens(c.seq, [sampled[r] for r in kept], logprobs))
             row += len(c.draft) + 1
         return new
 
@@ -109,7 +112,8 @@ class Verifier:
         """Hand a drafter on the target's hidden states (Medusa, EAGLE) the features of each
         chunk's verified tokens (its tokens run and the drafts accepted), from the step just run:
         no second pass."""
-        assert self.speculator is not None and self.runner.features is not None  # feature_layers set
+        drafter = self.speculator and self.speculator.drafter
+        assert isinstance(drafter, FeatureDrafter) and self.runner.features is not None  # feature_layers set
         offset, features = 0, self.runner.features
         for c in batch.chunks:
             end = offset + c.num_tokens
@@ -117,7 +121,7 @@ class Verifier:
                 rows = features[offset : end + len(c.accepted)]
             else:
                 rows = features[list(range(offset, end)) + [end + node for node in c.accepted]]
-            self.speculator.drafter.observe(c.seq, c.seq.num_computed, rows)
+            drafter.observe(c.seq, c.seq.num_computed, rows)
             offset = end + len(c.draft)
 
     def _move_accepted_kv(self, batch: Batch) -> None:
@@ -133,7 +137,9 @@ class Verifier:
 def _without_aborted(batch: Batch, logits: torch.Tensor) -> tuple[Batch, torch.Tensor]:
     """The batch and its logit rows without the sequences aborted while it was in flight
     (their pages are already free)."""
-    chunks, rows, row = [], [], 0
+    chunks: list[ScheduledChunk] = []
+    rows: list[int] = []
+    row = 0
     for c in batch.chunks:
         n = c.num_logits
         if c.seq.status is not SeqStatus.FINISHED:
@@ -143,9 +149,8 @@ def _without_aborted(batch: Batch, logits: torch.Tensor) -> tuple[Batch, torch.T
     return Batch(chunks, batch.state_copies, batch.draft_choice), logits[rows]
 
 
-def _logprob(result: SampleResult, row: int, k: Optional[int]) -> Optional[TokenLogprob]:
-    """Row ``row``'s token with its logprob and ``k`` top alternatives; None if ``k`` is None."""
-    if k is None or result.logprobs is None:
-        return None
+def _logprob(result: SampleResult, row: int, k: int) -> TokenLogprob:
+    """Row ``row``'s token with its logprob and ``k`` top alternatives (a row that asked for them)."""
+    assert result.logprobs is not None and result.top_ids is not None and result.top_logprobs is not None
     top = list(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
     return TokenLogprob(int(result.token_ids[row]), float(result.logprobs[row]), top)

@@ -69,6 +69,7 @@ class ParallelRunner:
 
     def _last_stage_logits(self) -> torch.Tensor:
         """The oldest step's logits from the last stage's final hidden rows."""
+        assert self.results is not None  # (asked for only with pipeline stages)
         rows = self.results.take()
         if isinstance(rows, BaseException):
             raise self._failure(rows) from rows
@@ -88,7 +89,7 @@ class ParallelRunner:
     def discard_kv(self, pages: list[int], is_free: Callable[[int], bool]) -> None:
         free = bytes(is_free(p) for p in range(self.local.kv.num_pages))
         self.group.send(("discard_kv", pages, free))
-        self.local.discard_kv(pages, lambda p: free[p])
+        self.local.discard_kv(pages, lambda p: bool(free[p]))
 
     def keep_alive(self) -> None:
         """Called every second by the engine (see ``ParallelGroup.keep_alive``)."""

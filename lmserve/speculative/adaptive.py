@@ -267,16 +267,21 @@ class AdaptiveDraftLength:
         if bucket.switch_behind >= _MIN_BEHIND:
             extra = (bucket.switch_seconds - bucket.switch_steps * per_seq) * len(outcomes)
             self._catch_up_per_token.append(max(extra, 0.0) / bucket.switch_behind)
+        current_seconds = bucket.seconds()
+        assert current_seconds is not None  # (bucket.recent is not empty: checked above)
         tries = bucket.relative.setdefault(index, deque(maxlen=_TRIES_KEPT))
-        tries.append(per_seq / bucket.seconds())
+        tries.append(per_seq / current_seconds)
         gain = self._gain(bucket, index)
         if gain is None:
             return
         bucket.try_costs.append(self._try_cost(bucket, index, per_seq))
+        # (known where ``gain`` is: the same acceptance, and ``tries`` is not empty)
+        latest_gain = self._gain(bucket, index, tries[-1])
+        assert latest_gain is not None
         if gain > 1 + _MARGIN and len(tries) >= _MIN_TRIES:
             bucket.move(index)
             self._trying = None
-        elif self._gain(bucket, index, tries[-1]) > 1 + _MARGIN:
+        elif latest_gain > 1 + _MARGIN:
             # This try won, whatever the earlier ones said: tries resume every few steps, so
             # that a change of workload is confirmed (or not) soon, however far apart they were.
             bucket.interval = bucket.until_try = _FIRST_INTERVAL
@@ -300,7 +305,9 @@ class AdaptiveDraftLength:
         current length, going by the catch-ups of the latest tries (0 before any)."""
         if not self._catch_up_per_token:
             return 0.0
-        return behind * median(self._catch_up_per_token) / (bucket.seconds() * num_seqs)
+        seconds = bucket.seconds()
+        assert seconds is not None  # (called for a bucket with recent steps only)
+        return behind * median(self._catch_up_per_token) / (seconds * num_seqs)
 
     def _try_cost(self, bucket: _BatchSize, index: int, per_seq: float) -> float:
         """What the try of ``LENGTHS[index]`` just measured (its timed step took ``per_seq`` a
@@ -309,9 +316,13 @@ class AdaptiveDraftLength:
         few percent of a step between neighbouring lengths that both pay; two or three steps to
         draft at all in a full, compute-bound batch (its verify costs twice a plain step, and
         drafters on hidden states first catch up on the tokens they skipped)."""
-        tokens = self._acceptance.tokens(LENGTHS[index]) / self._acceptance.tokens(
+        # (called once ``_gain`` is known: both lengths' tokens, and the current length's time)
+        mine, current = self._acceptance.tokens(LENGTHS[index]), self._acceptance.tokens(
             LENGTHS[bucket.current])
-        return (bucket.switch_seconds + per_seq) / bucket.seconds() - (
+        seconds = bucket.seconds()
+        assert mine is not None and current is not None and seconds is not None
+        tokens = mine / current
+        return (bucket.switch_seconds + per_seq) / seconds - (
             bucket.switch_steps + 1) * tokens
 
     def _bucket(self, key: int) -> _BatchSize:
@@ -339,6 +350,7 @@ class AdaptiveDraftLength:
         if bucket is None or guess != bucket.current:
             bucket = self._buckets[key] = _BatchSize(current=guess)
             if plain:
+                assert nearest is not None  # (``plain`` implies it)
                 # Tried as seldom as the nearest one, which found plain decoding the best, and
                 # once a try loses, spaced by what its own tries cost (a draft model's catch-up
                 # on every sequence's prompt costs more in a larger batch).
@@ -354,7 +366,9 @@ class AdaptiveDraftLength:
         current = self._acceptance.tokens(LENGTHS[bucket.current])
         if mine is None or current is None or index not in bucket.relative:
             return None
-        return mine / current / (relative or bucket.relative_seconds(index))
+        seconds = relative or bucket.relative_seconds(index)
+        assert seconds is not None  # (index is in bucket.relative, whose deques are never empty)
+        return mine / current / seconds
 
 
 def _key(num_seqs: int) -> int:

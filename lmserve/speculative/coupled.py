@@ -50,4 +50,5 @@ def coupled_tokens(logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]],
     ``min_tokens`` bans, as for the target."""
     drawn = sample(logits.float(), sequence_batch(rows, logits.shape[1], logits.device,
                                                   tuple(eos_token_ids)), margins=True)
+    assert drawn.margins is not None  # (asked for: margins=True)
     return drawn.token_ids.tolist(), drawn.margins.tolist()

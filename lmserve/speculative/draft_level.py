@@ -9,7 +9,7 @@ finer of the two block formats.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -28,8 +28,8 @@ def head_formats(level: OptFlags) -> tuple[str, str]:
     return resolve_weight_format(head_weight_format(level)), resolve_act_dtype(level.act_dtype)
 
 
-def head_linear(parts: list[torch.Tensor], bias: Optional[torch.Tensor],
+def head_linear(parts: Sequence[torch.Tensor], bias: Optional[torch.Tensor],
                 formats: tuple[str, str]) -> Linear:
     """A head's linear layer (``parts`` stacked along the output dimension) in ``formats``
     (``head_formats``)."""
-    return make_linear(parts, bias, *formats)
+    return make_linear(list(parts), bias, *formats)  # (a list[Weight], as make_linear takes)

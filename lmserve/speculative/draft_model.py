@@ -125,12 +125,13 @@ class DraftModelDrafter:
                 levels[c].append(candidates)
                 if near_tie:
                     tied.add(c)
-        for c, candidates in levels.items():
-            c.draft = DraftTree.from_candidates(candidates, c.num_lookahead)
+        for c, by_depth in levels.items():
+            c.draft = DraftTree.from_candidates(by_depth, c.num_lookahead)
 
     def _chain_on(self, seq: Sequence, passes: int, candidates: list[list[int]]) -> None:
         """At most ``passes`` more drafts after the last of ``candidates`` (by depth), appended,
         in one C++ call (``self.chain``)."""
+        assert self.chain is not None  # (called where there is one)
         drafts = self.chain.run(candidates[-1][0], seq.num_draft_computed, list(seq.pages), passes,
                                 self._stop_ids(seq), TIE_MARGIN)
         seq.num_draft_computed += len(drafts)

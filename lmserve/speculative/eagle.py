@@ -114,6 +114,8 @@ class EagleModel:
             h = x if self.input_norm is None else _rms_norm(x, self.input_norm, self.eps)
         else:
             x = self.fc(f) if f.shape[-1] != self.args.hidden_size else f.clone()
+            # (an EAGLE-3 head has both norms: read_eagle_heads requires them)
+            assert self.input_norm is not None and self.hidden_norm is not None
             h = torch.cat([_rms_norm(emb, self.input_norm, self.eps),
                            _rms_norm(x, self.hidden_norm, self.eps)], dim=-1)
         attn = ctx.backend.forward(ctx.attn_meta, self.qkv(h), ctx.cos, ctx.sin, ctx.kv.k[0],
@@ -149,9 +151,11 @@ def build_eagle_runner(heads: EagleHeads, target: TargetWeights, plan: EnginePla
     draft KV type."""
     args = heads.args
     shape = AttentionShape(args.num_heads, args.num_kv_heads, args.head_dim)
-    backend = attention_backend(shape, plan.draft_kv_dtype, level, plan.page_size)
+    kv_dtype = plan.draft_kv_dtype
+    assert kv_dtype is not None  # (planned for an EAGLE head's layer, as for a draft model)
+    backend = attention_backend(shape, kv_dtype, level, plan.page_size)
     kv = KVCache(1, plan.num_pages, plan.page_size, args.num_kv_heads, args.head_dim,
-                 KV_DTYPES[plan.draft_kv_dtype], device, backend.keys_transposed)
+                 KV_DTYPES[kv_dtype], device, backend.keys_transposed)
     positions = min(plan.max_single_sequence_length, args.context_length)
     return ModelRunner(EagleModel(heads, target, level), kv, backend, TorchOps(), positions, device,
                        window=plan.window if plan.bounded else None)
@@ -268,11 +272,13 @@ class EagleDrafter:
                              tree_parents=_step_parents(trees[c], ran[c][kept[c]:])) for c in deeper]
             features = torch.stack([f for c in deeper for f in inputs[c][kept[c]:]])
             logits = self.runner.execute(StepInput(steps), features)
+            hidden = self.runner.last_hidden
+            assert hidden is not None  # (set by execute)
             top, row = self._top(logits), 0
             for c in deeper:
                 for node in expand[c]:
                     trees[c].add_children(node, *top[row])
-                    outputs[c][node] = self.runner.last_hidden[row]
+                    outputs[c][node] = hidden[row]
                     row += 1
         for c in drafting:
             c.draft = trees[c].select(c.num_lookahead)
@@ -286,11 +292,11 @@ class EagleDrafter:
         return list(zip(ids, best.values.tolist()))
 
     def _catch_up(self, chunks: list[ScheduledChunk], drafting: set[ScheduledChunk]
-                  ) -> dict[ScheduledChunk, tuple[list[int], torch.Tensor]]:
+                  ) -> dict[ScheduledChunk, tuple[tuple[list[int], list[float]], torch.Tensor]]:
         """Run each chunk's pending features through the head, in passes of at most
         ``max_pass_tokens``; returns, for each ``drafting`` chunk, the head's best tokens after
         its newest token and its hidden state there (the first draft and its feature)."""
-        first = {}
+        first: dict[ScheduledChunk, tuple[tuple[list[int], list[float]], torch.Tensor]] = {}
         while pending := [c for c in chunks if _backlog(c.seq)]:
             steps, ran, budget = [], [], self.max_pass_tokens
             for c in pending:
@@ -307,6 +313,8 @@ class EagleDrafter:
                 budget -= n
             logits = self.runner.execute(StepInput([s for s, _ in steps]),
                                          torch.cat([rows for _, rows in steps]))
+            hidden = self.runner.last_hidden
+            assert hidden is not None  # (set by execute)
             top = self._top(logits)
             row = 0
             for c, (step, _) in zip(ran, steps):
@@ -314,7 +322,7 @@ class EagleDrafter:
                 seq.num_draft_computed += len(step.token_ids)
                 state.drop(seq.num_draft_computed - state.start)
                 if step.num_logits:
-                    first[c] = (top[row], self.runner.last_hidden[row])
+                    first[c] = (top[row], hidden[row])
                     row += 1
         return first
 

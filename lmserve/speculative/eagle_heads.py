@@ -123,7 +123,8 @@ def read_eagle_heads(path: str, target: ModelArgs) -> EagleHeads:
     }
     optional = {"fc.bias": (d,), "layer.input_layernorm.weight": (d,), "norm.weight": (d,)}
     optional |= {f"layer.self_attn.{p}.bias": (expected[f"layer.self_attn.{p}.weight"][0],) for p in _ATTN}
-    aux, draft_to_target = (), None
+    aux: tuple[int, ...] = ()
+    draft_to_target: Optional[torch.Tensor] = None
     if version == 3:
         vd = int(config.get("draft_vocab_size") or target.vocab_size)
         expected |= {"layer.input_layernorm.weight": (d,), "layer.hidden_norm.weight": (d,),
@@ -177,8 +178,10 @@ def eagle_head_args(config: EngineConfig, target: ModelArgs) -> Optional[ModelAr
     without weights); None for other modes."""
     if config.speculative_mode != "eagle":
         return None
+    path = config.additional_models[0]
+    assert isinstance(path, str)  # (EngineConfig takes a (path, model_lib) pair for small_draft only)
     try:
-        return eagle_layer_args(_read_config(config.additional_models[0])[1], target)
+        return eagle_layer_args(_read_config(path)[1], target)
     except (OSError, ValueError) as err:  # (a damaged config.json: ValueError)
         raise type(err)(f"additional_models[0] (the EAGLE head): {err}") from None
 
@@ -188,8 +191,10 @@ def read_eagle_head(config: EngineConfig, target: ModelArgs) -> Optional[EagleHe
     target; None for other modes. Errors name ``additional_models[0]``."""
     if config.speculative_mode != "eagle":
         return None
+    path = config.additional_models[0]
+    assert isinstance(path, str)  # (EngineConfig takes a (path, model_lib) pair for small_draft only)
     try:
-        return read_eagle_heads(config.additional_models[0], target)
+        return read_eagle_heads(path, target)
     except (OSError, ValueError) as err:
         raise type(err)(f"additional_models[0] (the EAGLE head): {err}") from None
 

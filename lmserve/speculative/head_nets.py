@@ -8,6 +8,8 @@ drafters (``medusa.py``, ``eagle.py``) run the same math batched over paged KV.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,7 +158,8 @@ class EagleNet(nn.Module):
                 rotary: RotaryEmbedding) -> torch.Tensor:
         """The head's hidden states ``(T, D)`` for one sequence from position 0: row ``p`` from
         the embedding of token ``p + 1`` and the target's feature at ``p`` (teacher forced)."""
-        layer = self.midlayer if self.version == 3 else self.layers[0]
+        # (ModuleList indexing is typed as any Module)
+        layer = self.midlayer if self.version == 3 else cast(_Layer, self.layers[0])
         if self.version == 3:
             x = self.fc(features)
             h = torch.cat([layer.input_layernorm(embeddings), layer.hidden_norm(x)], dim=-1)
@@ -173,7 +176,9 @@ class EagleNet(nn.Module):
         up to ``r - s`` and the chain's earlier drafts. Rows ``r < s`` have no such chain."""
         if self.version != 1:
             raise ValueError("draft passes are for EAGLE-1 heads (what train-heads trains)")
-        layer, earlier, passes = self.layers[0], [], []
+        layer = cast(_Layer, self.layers[0])  # (ModuleList indexing is typed as any Module)
+        earlier: list[tuple[torch.Tensor, torch.Tensor]] = []
+        passes: list[torch.Tensor] = []
         for _ in range(steps):
             if passes:  # the previous pass's prediction of each row's feature
                 features = F.pad(passes[-1], (0, 0, 1, 0))[: len(embeddings)]

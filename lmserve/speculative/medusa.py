@@ -26,7 +26,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +91,7 @@ def read_medusa_heads(path: str, target: ModelArgs) -> MedusaHeads:
     """Medusa heads from ``path`` (a directory or a weights file), checked against the target:
     a tensor with a name or shape that does not fit is refused, naming it."""
     directory = path if os.path.isdir(path) else os.path.dirname(path)
-    config = {}
+    config: dict[str, Any] = {}
     if os.path.isfile(os.path.join(directory, "config.json")):
         with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
             config = json.load(f)

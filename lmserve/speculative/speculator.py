@@ -25,7 +25,9 @@ row), so greedy output is identical to speculation off, and seeded sampling too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, runtime_checkable
+
+import torch
 
 from lmserve.config import EngineConfig
 from lmserve.models.args import ModelArgs
@@ -76,6 +78,16 @@ class Drafter(Protocol):
         ``num_lookahead`` nodes, and at most what was offered. A drafter with its own KV (a
         draft model) writes it only for the chain it ran, put first as nodes 0, 1, ... (see
         ``Scheduler.update``)."""
+
+
+@runtime_checkable
+class FeatureDrafter(Drafter, Protocol):
+    """A drafter on the target's hidden states (``EagleDrafter``, ``MedusaDrafter``)."""
+
+    feature_layers: tuple[int, ...]  # which (see ``ModelRunner.feature_layers``)
+
+    def observe(self, seq: Sequence, start: int, features: torch.Tensor) -> None:
+        """The features ``(n, F)`` of ``seq``'s verified tokens from position ``start`` on."""
 
 
 class Speculator:
@@ -161,6 +173,7 @@ class Speculator:
         multi-step run counts as plain decoding at its time a token."""
         if batch.tokens is not None:
             if batch.draft_choice is not None:
+                assert self.adaptive is not None  # (a draft choice is the adaptive length's)
                 n = len(batch.tokens)
                 self.adaptive.observe(batch.draft_choice, seconds / n, [(0, 0)], False, steps=n)
             return
@@ -180,6 +193,7 @@ class Speculator:
                 for pos in range(accepted):
                     c.accepted_per_pos[pos] += 1
         if batch.draft_choice is not None and decode_only:
+            assert self.adaptive is not None  # (a draft choice is the adaptive length's)
             self.adaptive.observe(batch.draft_choice, seconds, outcomes, drafted)
 
     def _cap(self, seq: Sequence) -> int:
@@ -203,8 +217,10 @@ def make_speculator(config: EngineConfig, plan: EnginePlan, target: ModelArgs,
     if config.speculative_mode == "ngram":
         drafter: Drafter = NgramDrafter(width)
     elif config.speculative_mode == "medusa":
+        path = config.additional_models[0]
+        assert isinstance(path, str)  # (EngineConfig takes a (path, model_lib) pair for small_draft only)
         try:
-            heads = read_medusa_heads(config.additional_models[0], target)
+            heads = read_medusa_heads(path, target)
         except (OSError, ValueError) as err:
             raise type(err)(f"additional_models[0] (the Medusa heads): {err}") from None
         if heads.choices is not None and target.ssm_layers:
@@ -213,8 +229,12 @@ def make_speculator(config: EngineConfig, plan: EnginePlan, target: ModelArgs,
                              "one chain of tokens")
         drafter = MedusaDrafter(heads, draft_opt(config), width)
     elif config.speculative_mode == "eagle":
+        if draft_runner is None:
+            raise ValueError("speculative_mode='eagle' needs the EAGLE head's runner (draft_runner)")
         drafter = EagleDrafter(draft_runner, draft_runner.model.aux_layers, plan.prefill_chunk_size, width)
     else:
+        if draft_runner is None:
+            raise ValueError("speculative_mode='small_draft' needs the draft model's runner (draft_runner)")
         drafter = DraftModelDrafter(draft_runner, plan.prefill_chunk_size, width, plan.bounded,
                                     eos_token_ids)
     return Speculator(drafter, config.spec_draft_length, plan.max_single_sequence_length,

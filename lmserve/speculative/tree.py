@@ -96,7 +96,8 @@ class DraftTree:
     def accept(self, sampled: list[int]) -> list[int]:
         """The accepted nodes, given the target's token sampled at each step token (``sampled[0]``
         after the newest token, ``sampled[i + 1]`` after node ``i``)."""
-        path, node = [], -1
+        path: list[int] = []
+        node = -1
         while True:
             child = next((i for i in range(node + 1, len(self))
                           if self.parents[i] == node and self.token_ids[i] == sampled[node + 1]),
