@@ -256,7 +256,7 @@ def _run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         model = source.args
         draft = read_draft_model(config, model)
         plan = make_plan(config, model, draft_args=(draft and draft.args) or eagle_head_args(config, model),
-                         draft_opt=draft and draft_opt(config, draft),
+                         draft_opt=draft_opt(config, draft) if draft is not None else None,
                          stage_layers_given=source.stage_layers)
         defaults = source.generation_defaults(args.generation_config)
     except (OSError, ValueError) as err:

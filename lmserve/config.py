@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import (  # noqa: UP035  (List / Tuple: the seed's spelling of the field types)
     Any,
+    Final,
     List,
     Literal,
     Optional,
@@ -97,7 +98,7 @@ class OptFlags:
 # (weight_dtype=int4 rounds every weight to 4 bits: for files that are not 4-bit already.)
 # Every level computes each token the same way whatever its batch company, so greedy output does
 # not depend on batching.
-_BF16 = "bfloat16"
+_BF16: Final = "bfloat16"
 _DENSE_WEIGHTS = ("float32", "float16")  # weight formats held as torch tensors (compile=1 needs them)
 OPT_LEVELS: dict[str, OptFlags] = {
     "O0": OptFlags(attention="cpu_paged"),
@@ -401,16 +402,17 @@ _VALUE_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 
 def _check_combinations(c: EngineConfig) -> None:
     """Refuse settings that contradict each other (each one valid on its own)."""
-    if c.attention_sink_size is not None and c.sliding_window_size is None:
-        raise ValueError(
-            f"attention_sink_size={c.attention_sink_size} needs sliding_window_size to be set"
-        )
-    if c.attention_sink_size is not None and c.attention_sink_size >= c.sliding_window_size:
-        # The sinks sit inside what a query may see: a window no larger than them is all sinks.
-        raise ValueError(
-            f"attention_sink_size={c.attention_sink_size} must be smaller than "
-            f"sliding_window_size={c.sliding_window_size}"
-        )
+    if c.attention_sink_size is not None:
+        if c.sliding_window_size is None:
+            raise ValueError(
+                f"attention_sink_size={c.attention_sink_size} needs sliding_window_size to be set"
+            )
+        if c.attention_sink_size >= c.sliding_window_size:
+            # The sinks sit inside what a query may see: a window no larger than them is all sinks.
+            raise ValueError(
+                f"attention_sink_size={c.attention_sink_size} must be smaller than "
+                f"sliding_window_size={c.sliding_window_size}"
+            )
     if c.max_history_size is not None and c.kv_state_kind == "kv_cache":
         raise ValueError(
             f"max_history_size={c.max_history_size} only applies to kv_state_kind='rnn_state', "

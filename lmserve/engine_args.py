@@ -119,6 +119,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     except (TypeError, ValueError) as err:
         # EngineConfig's messages start with the field at fault ("max_num_sequence must be..",
         # "opt: unknown level..", "attention_sink_size=3 needs..").
-        first_word = re.match(r"\w*", str(err)).group()
+        match = re.match(r"\w*", str(err))
+        assert match is not None  # \w* matches the empty string
+        first_word = match.group()
         where = f"argument {flag_name(first_word)}: " if first_word in values else ""
         raise ValueError(f"{where}{err}") from err

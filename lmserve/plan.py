@@ -179,8 +179,10 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
     # EAGLE head's layer is ``draft_args``, which shares the target's embedding and head).
     heads = 0
     if config.speculative_mode in ("medusa", "eagle"):
+        heads_dir = config.additional_models[0]
+        assert isinstance(heads_dir, str)  # EngineConfig takes (path, model_lib) for small_draft only
         try:
-            size = (eagle_heads_size if eagle else medusa_heads_size)(config.additional_models[0])
+            size = (eagle_heads_size if eagle else medusa_heads_size)(heads_dir)
         except FileNotFoundError as err:
             raise FileNotFoundError(f"additional_models[0]: {err}") from None
         heads = int(size * _WEIGHT_BYTES[head_weight_format(draft_level)])
@@ -205,7 +207,10 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
         """The most pages one sequence holds: its length's, or (every layer windowed) its
         window's."""
         dense = cdiv(single, page)
-        return min(dense, window.max_pages(page, chunk + lag)) if bounded else dense
+        if bounded:
+            assert window is not None  # bounded: every layer has the window
+            return min(dense, window.max_pages(page, chunk + lag))
+        return dense
 
     def step_workspace(batch: int, chunk: int, single: int) -> int:
         # Verifying drafts wants a logit row per draft too, within the step's tokens.
@@ -238,7 +243,9 @@ def make_plan(config: EngineConfig, args: ModelArgs, device_memory: Optional[int
             workspace = step_workspace(batch, chunk, single)
             room = budget - weights - workspace - margin
         if args.ssm_layers:
-            room -= plan_state(config, args, batch).bytes
+            state = plan_state(config, args, batch)
+            assert state is not None  # the model has recurrent layers
+            room -= state.bytes
         # Whole pages only; more KV than every sequence at full length could never be used.
         fits = max(0, room // (page * kv_per_token)) * page if kv_per_token else 0
         total = _given_or(config.max_total_sequence_length,
@@ -361,7 +368,7 @@ def _speculative(config: EngineConfig, models: list[tuple[ModelArgs, OptFlags]])
     if config.spec_tree_width > 1:
         length = (f"a tree of {config.spec_tree_width} candidates per depth, "
                   f"{length.replace('draft tokens', 'deep')}")
-    mode = config.speculative_mode
+    mode: str = config.speculative_mode
     if mode in ("eagle", "medusa"):
         level = parse_opt(config.opt).draft_opt or DEFAULT_DRAFT_OPT
         mode += (f" ({'a one-layer head' if mode == 'eagle' else 'heads'} on the model's hidden "

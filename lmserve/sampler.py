@@ -102,7 +102,7 @@ class SamplingBatch:
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
-        def ints(values: list[int]) -> torch.Tensor:
+        def ints(values: Union[list[int], list[list[int]]]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
         greedy = [p.is_greedy for p in params]
@@ -138,6 +138,7 @@ class SamplingBatch:
         seen = None
         if use_repetition:
             prompt_counts = _token_counts(prompt_token_ids, vocab_size, device)
+            assert output_counts is not None  # counted above for repetition penalties too
             seen = (prompt_counts > 0) | (output_counts > 0)
 
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -213,6 +214,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, margins: bool = False) ->
     raw = logits
     if batch.token_bitmask is not None:
         logits = logits.float().clone()
+        assert batch.bitmask_rows is not None  # given with token_bitmask
         apply_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
     edge = torch.full((len(batch.greedy),), float("inf"), dtype=torch.float64) if margins else None
     if batch.greedy_fast_path:
@@ -224,7 +226,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, margins: bool = False) ->
         token_ids = processed.argmax(dim=-1)  # (B,)
     else:
         token_ids, drawn_edge = _draw(_filtered_probs(processed, batch), batch)  # (B,) each
-        if margins:
+        if edge is not None:  # margins asked
             edge[batch.random_rows] = drawn_edge
         if len(batch.random_rows) < len(token_ids):  # greedy rows take the argmax
             token_ids = torch.where(batch.greedy, processed.argmax(dim=-1), token_ids)
@@ -235,6 +237,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, margins: bool = False) ->
     chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)  # (B,)
     top_logprobs, top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)  # (B, K) each
     positions = torch.arange(batch.max_logprobs, device=logits.device)  # (K,)
+    assert batch.num_logprobs is not None  # set with max_logprobs
     unasked = positions[None, :] >= batch.num_logprobs[:, None]  # (B, K)
     return SampleResult(
         token_ids=token_ids,
@@ -275,14 +278,18 @@ def _apply_bias_and_penalties(logits: torch.Tensor, batch: SamplingBatch) -> tor
         return logits
     x = logits.clone()  # (B, V)
     if batch.bias_index is not None:
+        assert batch.bias_values is not None  # set with bias_index
         x.index_put_((batch.bias_index[0], batch.bias_index[1]), batch.bias_values, accumulate=True)
     if batch.repetition_penalties is not None:
         penalty = batch.repetition_penalties[:, None]  # (B, 1)
         # Dividing a positive logit and multiplying a negative one both make the token rarer.
         penalised = torch.where(x > 0, x / penalty, x * penalty)  # (B, V)
+        assert batch.seen is not None  # set with repetition_penalties
         x = torch.where(batch.seen, penalised, x)
     if batch.output_counts is not None:
         counts = batch.output_counts  # (B, V)
+        # set with output_counts (frequency or presence penalties)
+        assert batch.frequency_penalties is not None and batch.presence_penalties is not None
         x -= batch.frequency_penalties[:, None] * counts
         x -= batch.presence_penalties[:, None] * (counts > 0)
     return x
@@ -368,8 +375,8 @@ def _draw(probs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torc
     if shared:
         uniforms[shared] = torch.rand(len(shared), dtype=torch.float64).numpy()
     picked = probs if len(rows) == probs.shape[0] else probs[rows]
-    tokens, margins = _inverse_cdf(picked.detach().cpu(), uniforms)
-    tokens = torch.from_numpy(tokens).to(probs.device)
+    picked_tokens, margins = _inverse_cdf(picked.detach().cpu(), uniforms)
+    tokens = torch.from_numpy(picked_tokens).to(probs.device)
     if len(rows) == probs.shape[0]:
         return tokens, torch.from_numpy(margins)
     drawn = torch.zeros(probs.shape[0], dtype=torch.int64, device=probs.device)

@@ -84,6 +84,7 @@ def plan_state(config: EngineConfig, args: ModelArgs, batch: int) -> Optional[St
                          f"tokens): rejected drafts could not be rolled back; raise it or lower "
                          f"spec_draft_length")
     fixed, per_sequence = _snapshots(config)
+    assert args.ssm is not None  # a model with recurrent layers has their args
     return StatePlan(batch, history, fixed + per_sequence * batch,
                      state_bytes_per_slot(args.ssm, len(args.ssm_layers)))
 
@@ -93,6 +94,7 @@ def batch_that_fits(config: EngineConfig, args: ModelArgs, room: int, most: int)
     in ``room`` bytes, with the snapshots: a fixed number of them first, or their share of each
     sequence."""
     one = plan_state(config, args, 1)
+    assert one is not None  # asked only for a model with recurrent layers
     fixed, per_sequence = _snapshots(config)
     each = (1 + one.history + per_sequence) * one.bytes_per_slot
     return max(1, min(most, (room - fixed * one.bytes_per_slot) // each))

@@ -128,8 +128,10 @@ class Tokenizer:
                 f"the tokenizer of {self._hf.name_or_path!r} has no chat template; "
                 "send a plain completion prompt instead"
             )
-        return self._hf.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        # transformers annotates no overload for tokenize=False (a str) and wants tools as an
+        # invariant list[dict | Callable]
+        return self._hf.apply_chat_template(  # type: ignore[return-value]
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False  # type: ignore[arg-type]
         )
 
     @functools.cached_property

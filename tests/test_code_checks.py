@@ -16,3 +16,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_ruff_finds_nothing():
     result = _run("ruff", "check", "lmserve", "tests", "benchmarks")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_finds_nothing():
+    result = _run("mypy")  # files and settings: pyproject.toml's [tool.mypy]
+    assert result.returncode == 0, result.stdout + result.stderr

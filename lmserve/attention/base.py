@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Generic, Optional, TypeVar
 
 import torch
 
@@ -67,7 +67,11 @@ class AttentionShape:
         return self.head_dim**-0.5
 
 
-class AttentionBackend(ABC):
+# The per-step metadata a backend's ``prepare`` builds and its ``forward`` reads.
+MetaT = TypeVar("MetaT")
+
+
+class AttentionBackend(ABC, Generic[MetaT]):
     """Rotary embedding, KV-cache store and paged attention over a flat batch.
 
     Chosen once when the engine starts; ``prepare`` runs once per step, ``forward`` once per layer.
@@ -81,13 +85,13 @@ class AttentionBackend(ABC):
         self.shape = shape
 
     @abstractmethod
-    def prepare(self, inp: AttentionInput, page_size: int, device: torch.device) -> object:
+    def prepare(self, inp: AttentionInput, page_size: int, device: torch.device) -> MetaT:
         """Build the step's metadata (index tensors, masks) once, shared by all layers."""
 
     @abstractmethod
     def forward(
         self,
-        meta: object,
+        meta: MetaT,
         qkv: torch.Tensor,  # (T, (H + 2 * KVH) * hd): the fused q/k/v projection
         cos: torch.Tensor,  # (T, hd) float32 rotary angles of each token's position
         sin: torch.Tensor,  # (T, hd)
@@ -103,10 +107,13 @@ class AttentionBackend(ABC):
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 
 
-def register_backend(name: str):
+_B = TypeVar("_B", bound=type[AttentionBackend])
+
+
+def register_backend(name: str) -> Callable[[_B], _B]:
     """Class decorator adding an attention backend to the registry under ``name``."""
 
-    def deco(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    def deco(cls: _B) -> _B:
         _BACKENDS[name] = cls
         return cls
 

@@ -84,16 +84,17 @@ def _address(t: Optional[torch.Tensor]) -> int:
 
 
 @register_backend("cpu_paged")
-class CpuPagedBackend(AttentionBackend):
+class CpuPagedBackend(AttentionBackend[PagedMeta]):
     # A key block's scores are then sums of whole vectors (q[d] times 16 keys' dimension d), with
     # no reduction across vector lanes, and a page's keys for one head are one contiguous run.
     keys_transposed = True
 
     def __init__(self, shape: AttentionShape) -> None:
         super().__init__(shape)
-        self.lib = _library()
-        if self.lib is None:
+        lib = _library()
+        if lib is None:
             raise RuntimeError("the C++ paged attention kernel is not available on this machine")
+        self.lib = lib
 
     def prepare(self, inp: AttentionInput, page_size: int, device: torch.device) -> PagedMeta:
         slots: list[int] = []
@@ -140,6 +141,7 @@ class CpuPagedBackend(AttentionBackend):
         if inp.window is not None:
             meta.window = inp.window
             if inp.sink_cos is not None:
+                assert inp.sink_sin is not None  # the sink angles come in pairs
                 meta.sink_cos, meta.sink_sin = inp.sink_cos.contiguous(), inp.sink_sin.contiguous()
             if any(skips):
                 meta.page_skip = torch.tensor(skips, dtype=torch.int32)

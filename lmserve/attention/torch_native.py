@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from lmserve.attention.base import AttentionBackend, AttentionInput, register_backend
-from lmserve.attention.window import AttentionWindow
 from lmserve.layers.rotary import apply_rotary
 from lmserve.util import cdiv
 
@@ -84,7 +83,7 @@ def _tree_mask(masks: list[int], start: int, num_keys: int) -> torch.Tensor:
 
 
 @register_backend("torch_native")
-class TorchNativeBackend(AttentionBackend):
+class TorchNativeBackend(AttentionBackend[NativeMeta]):
     def prepare(self, inp: AttentionInput, page_size: int, device: torch.device) -> NativeMeta:
         slot_chunks: list[torch.Tensor] = []
         decode_tokens: list[int] = []
@@ -121,8 +120,8 @@ class TorchNativeBackend(AttentionBackend):
             n_pages = cdiv(int(lens.max()), page_size)
             table = torch.zeros(len(decode_seqs), n_pages, dtype=torch.long)
             for row, i in enumerate(decode_seqs):
-                used = inp.page_tables[i][: cdiv(inp.context_lens[i], page_size)]
-                table[row, : len(used)] = torch.tensor(used)
+                row_pages = inp.page_tables[i][: cdiv(inp.context_lens[i], page_size)]
+                table[row, : len(row_pages)] = torch.tensor(row_pages)
             mask = torch.arange(n_pages * page_size).unsqueeze(0) < lens.unsqueeze(1)
             meta.decode_tokens = torch.tensor(decode_tokens, device=device)
             meta.decode_pages = table.to(device)
@@ -179,7 +178,8 @@ class TorchNativeBackend(AttentionBackend):
 def _window_parts(inp: AttentionInput, trees: list, page_size: int,
                   device: torch.device) -> list[WindowPart]:
     """Each sequence's ``WindowPart`` (see ``AttentionWindow`` for what a query sees)."""
-    window: AttentionWindow = inp.window
+    window = inp.window
+    assert window is not None  # prepare asks only for a windowed step's
     sink_pages = cdiv(window.sinks, page_size)
     parts: list[WindowPart] = []
     start = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncGenerator, Optional
 
 from lmserve.engine.engine import EngineBase, new_request_id
 from lmserve.frontend.openai.facades import AsyncChat, AsyncCompletions
@@ -68,7 +68,7 @@ class AsyncEngine(EngineBase):
             return box
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs; leaving the iteration early (or cancelling) aborts it."""
         request_id = request_id or new_request_id()
         outputs: asyncio.Queue = asyncio.Queue()

@@ -7,7 +7,7 @@ import itertools
 import logging
 import queue
 import uuid
-from typing import Iterator, Optional
+from typing import Generator, Optional
 
 from lmserve.config import EngineConfig
 from lmserve.engine.core import EngineCore
@@ -121,7 +121,7 @@ class Engine(EngineBase):
         self.completions = Completions(self)
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: Optional[str] = None) -> Iterator[RequestOutput]:
+                 request_id: Optional[str] = None) -> Generator[RequestOutput, None, None]:
         """Stream a request's outputs; stopping the iteration early aborts the request."""
         request_id = request_id or new_request_id()
         outputs: queue.SimpleQueue = queue.SimpleQueue()

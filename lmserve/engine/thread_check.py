@@ -85,6 +85,7 @@ class ThreadSyncCheck:
             logger.debug("the kernel threads' check failed; not checking again", exc_info=True)
             self.done = True
             return None
+        assert seconds is not None  # the probe built: else done was set in __init__
         self.slow = self.slow + 1 if seconds > slow_region_s(threads) else 0
         if self.slow == 2:
             self.done = True

@@ -99,7 +99,8 @@ class ChatSession:
 
     def _stream_answer(self) -> tuple[str, AnswerStats]:
         start = time.perf_counter()
-        first = last = None
+        first: Optional[float] = None
+        last: Optional[float] = None
         parts: list[str] = []
         usage = None
         stream = self.engine.chat.completions.create(
@@ -125,6 +126,7 @@ class ChatSession:
         self.out.write("\n")
         if usage is None or first is None:
             raise RuntimeError("the engine's stream ended without an answer or its usage")
+        assert last is not None  # set with first
         return "".join(parts), AnswerStats(usage.prompt_tokens, usage.completion_tokens,
                                            first - start, last - first)
 

@@ -216,8 +216,10 @@ def why_unavailable(name: str) -> Optional[str]:
     if isa is None:
         return (f"the CPU has none of the instruction sets the kernels are built for "
                 f"({', '.join(i.name for i in ISAS)})")
-    if kernel_isa(name).name not in kernel_isas(name):
-        return f"it has no {kernel_isa(name).name} version yet"
+    target = kernel_isa(name)
+    assert target is not None  # the selected ISA, or the one it extends
+    if target.name not in kernel_isas(name):
+        return f"it has no {target.name} version yet"
     if shutil.which("g++") is None:
         return "no g++ compiler on PATH"
     return None

@@ -55,7 +55,8 @@ class BlockWeight:
         """Stack weights with the same block format along the output dimension."""
         if any(p.zero is None for p in parts) and not all(p.zero is None for p in parts):
             parts = [p if p.zero is not None else p.with_zero() for p in parts]
-        zero = None if parts[0].zero is None else torch.cat([p.zero for p in parts])
+        zeros = [p.zero for p in parts if p.zero is not None]  # every part's, or none (above)
+        zero = None if parts[0].zero is None else torch.cat(zeros)
         return BlockWeight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
                            zero, parts[0].bits)
 

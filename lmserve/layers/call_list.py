@@ -13,11 +13,14 @@ from __future__ import annotations
 import ctypes
 import struct
 from dataclasses import dataclass
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import torch
 
 from lmserve.kernels.build import load_kernel_library
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr  # ctypes._CFuncPtr, which typeshed does not re-export
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,11 @@ THREADS = Slot("threads")  # torch's thread count at the time of the run
 Arg = Union[int, Slot]
 
 
-def address(function: ctypes._CFuncPtr) -> int:
+def address(function: CFuncPtr) -> int:
     """The address of a kernel's C function, the first word of a call."""
-    return ctypes.cast(function, ctypes.c_void_p).value
+    value = ctypes.cast(function, ctypes.c_void_p).value
+    assert value is not None  # a loaded function is never at NULL
+    return value
 
 
 def float_word(x: float) -> int:

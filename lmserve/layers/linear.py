@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,14 @@ from lmserve.layers.call_list import THREADS, Arg, address
 logger = logging.getLogger("lmserve")
 
 Weight = Union[torch.Tensor, BlockWeight]
+
+
+def dense_weight(w: Weight) -> torch.Tensor:
+    """``w``, a weight no reader keeps as blocks: a vector (a norm's, a bias: only GGUF matrices
+    stay blocks), or any weight of a model only Hugging Face files hold (Mamba)."""
+    assert isinstance(w, torch.Tensor), "a weight in blocks where a dense one is read"
+    return w
+
 # Weight formats that are plain float dtypes (the weights are loaded dequantized); also the map
 # from a dtype's name in ``opt`` to the torch dtype.
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -129,7 +137,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                              f"(M, {weight.shape[1]})")
         x = x.contiguous()
         out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-        _dense_library().lm_dense_gemm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
+        lib = _dense_library()
+        assert lib is not None  # _on_dense_kernel: it loaded
+        lib.lm_dense_gemm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
                                        weight.shape[0], weight.shape[1], torch.get_num_threads())
         return out if bias is None else out + bias
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or x.dim() != 2 or not _onednn_available():
@@ -167,6 +177,7 @@ class DenseLinear:
             raise ValueError(f"a {self.weight.dtype} dense layer{' with a bias' if self.bias is not None else ''} "
                              f"on {dtype} activations has no C++ call")
         lib = _dense_library()
+        assert lib is not None  # packable: it loaded
         return [address(lib.lm_dense_gemm_packed), x, self.weight.data_ptr(), out, rows, self.n, self.k,
                 THREADS]
 
@@ -203,7 +214,9 @@ class BlockLinear:
         x = x.contiguous()
         m = x.shape[0]  # (M, K)
         out = torch.empty(m, self.n, dtype=x.dtype)
-        kernel = self.lib.lm_int8_gemm if self.digits else self.lib.lm_block_gemm
+        lib = self.lib
+        assert lib is not None  # __init__ refused a layer without it
+        kernel = lib.lm_int8_gemm if self.digits else lib.lm_block_gemm
         kernel(*self._args(x.data_ptr(), x.dtype, out.data_ptr(), m, torch.get_num_threads()))
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
@@ -216,7 +229,9 @@ class BlockLinear:
         """This matmul as a call for a ``CallList``: ``x`` (rows, K) of ``dtype`` (float32 or
         bfloat16) into ``out`` (rows, N) of the same dtype, as ``__call__`` computes it (no bias:
         the caller checks)."""
-        kernel = self.lib.lm_int8_gemm_packed if self.digits else self.lib.lm_block_gemm_packed
+        lib = self.lib
+        assert lib is not None  # __init__ refused a layer without it
+        kernel = lib.lm_int8_gemm_packed if self.digits else lib.lm_block_gemm_packed
         return [address(kernel), *self._args(x, dtype, out, rows, THREADS)]
 
     def _args(self, x: Arg, dtype: torch.dtype, out: Arg, rows: Arg, threads: Arg) -> list[Arg]:
@@ -283,13 +298,13 @@ def pack_rows_int8(w: BlockWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, consts
 
 
-def _dense(parts: list[Weight]) -> torch.Tensor:
+def _dense(parts: Sequence[Weight]) -> torch.Tensor:
     """The parts dequantized and stacked (a single dense part is returned as is, not copied)."""
     dense = [p.dequantize() if isinstance(p, BlockWeight) else p for p in parts]
     return dense[0] if len(dense) == 1 else torch.cat(dense)
 
 
-def make_linear(parts: list[Weight], bias: Optional[torch.Tensor], fmt: str,
+def make_linear(parts: Sequence[Weight], bias: Optional[torch.Tensor], fmt: str,
                 act: str = "float32") -> Linear:
     """One linear layer from the weights ``parts`` stacked along the output dimension (fused
     q/k/v or gate/up), its input activations ``act`` (float32, bfloat16, or int8/int16:

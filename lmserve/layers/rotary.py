@@ -15,6 +15,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict[str, Any]]
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq.float()
+    assert scaling is not None  # without scaling the kind is "default"
     if kind == "linear":
         return (inv_freq / scaling["factor"]).float()
     if kind == "llama3":

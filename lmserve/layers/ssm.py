@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from lmserve.layers.linear import ACT_TENSOR_DTYPES, Weight, make_linear
+from lmserve.layers.linear import ACT_TENSOR_DTYPES, Weight, dense_weight, make_linear
 from lmserve.layers.ssm_kernels import SSMKernels
 from lmserve.models.args import SSMArgs
 
@@ -63,14 +63,18 @@ class MambaMixer:
 
     def __init__(self, ssm: SSMArgs, w: dict[str, Weight], prefix: str, fmt: str, act: str,
                  norm_eps: float) -> None:
-        def get(name: str) -> torch.Tensor:
-            return w[prefix + name]
+        def get(name: str) -> torch.Tensor:  # Mamba models come from Hugging Face files: dense
+            return dense_weight(w[prefix + name])
+
+        def bias_of(name: str) -> Optional[torch.Tensor]:
+            b = w.get(prefix + name)
+            return None if b is None else dense_weight(b)
 
         self.ssm = ssm
-        self.in_proj = make_linear([get("in_proj.weight")], w.get(prefix + "in_proj.bias"), fmt, act)
-        self.out_proj = make_linear([get("out_proj.weight")], w.get(prefix + "out_proj.bias"), fmt, act)
+        self.in_proj = make_linear([get("in_proj.weight")], bias_of("in_proj.bias"), fmt, act)
+        self.out_proj = make_linear([get("out_proj.weight")], bias_of("out_proj.bias"), fmt, act)
         self.conv_weight = get("conv1d.weight").float().reshape(ssm.conv_dim, ssm.conv_kernel)
-        bias = w.get(prefix + "conv1d.bias")
+        bias = bias_of("conv1d.bias")
         self.conv_bias = bias.float() if bias is not None else torch.zeros(ssm.conv_dim)
         self.A = -torch.exp(get("A_log").float())  # (I, N) Mamba; (H,) Mamba2
         self.D = get("D").float()
@@ -100,6 +104,7 @@ class MambaMixer:
         y = torch.empty(h.shape[0], s.inner)  # the scan's output (before D and the gate)
         if meta.singles:
             rows, slots = meta.single_rows, meta.single_slots
+            assert rows is not None and slots is not None  # StateMeta.__post_init__ sets them
             if kernels is not None:
                 u[rows] = kernels.conv_step(x[rows], conv, slots, self.conv_weight, self.conv_bias)
                 y[rows] = self._kernel_scan_step(kernels, u[rows], None if s.version == 1 else dt[rows],
@@ -108,9 +113,9 @@ class MambaMixer:
                 u[rows] = self._conv_step(x[rows], conv, slots)
                 y[rows] = self._scan_step(u[rows], None if s.version == 1 else dt[rows], ssm, slots)
         for r in meta.others:
-            rows = slice(r.offset, r.offset + r.length)
-            u[rows] = self._conv_run(x[rows], conv, r)
-            y[rows] = self._scan_run(u[rows], None if s.version == 1 else dt[rows], ssm, r)
+            span = slice(r.offset, r.offset + r.length)
+            u[span] = self._conv_run(x[span], conv, r)
+            y[span] = self._scan_run(u[span], None if s.version == 1 else dt[span], ssm, r)
         if s.version == 1:
             y = (y + u * self.D) * F.silu(z)
         else:
@@ -153,6 +158,7 @@ class MambaMixer:
         per_group = s.num_heads // s.n_groups
         B = B.view(-1, s.n_groups, s.state_size).repeat_interleave(per_group, 1)  # (n, H, N)
         C = C.view(-1, s.n_groups, s.state_size).repeat_interleave(per_group, 1)
+        assert dt is not None  # Mamba2's projection gives its time steps
         dt = F.softplus(dt + self.dt_bias)  # (n, H)
         return x.view(-1, s.num_heads, s.head_dim), dt, B, C
 
@@ -178,6 +184,7 @@ class MambaMixer:
                           ssm: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         s = self.ssm
         if s.version == 2:
+            assert dt is not None  # Mamba2's projection gives its time steps
             return kernels.scan_step_v2(ssm, slots, u, dt, self.dt_bias, self.A, s)
         dt_low, bc = (u @ self.x_proj.t()).split([s.dt_rank, 2 * s.state_size], -1)
         dt = F.softplus(dt_low @ self.dt_proj.t() + self.dt_bias)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 
-def _classes() -> dict[str, type]:
+def _classes() -> dict[str, type[object]]:
     """The classes a model's tree may hold."""
     from lmserve.layers.linear import BlockLinear, DenseLinear
     from lmserve.layers.ssm import MambaMixer
@@ -85,6 +85,8 @@ def from_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
             obj = cls.__new__(cls)
             obj.__dict__.update(fields)
             return obj
+        kind: Any
+        body: Any  # JSON: what the kind says
         (kind, body), = value.items() if len(value) == 1 else [(None, None)]
         if kind == "tensor":
             if body not in tensors:

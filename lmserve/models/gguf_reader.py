@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union, overload
 
 import numpy as np
 import torch
@@ -96,7 +96,12 @@ def read_gguf_args(path: str) -> ModelArgs:
     )
 
 
-def read_gguf_weights(path: str, keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockWeight]:
+@overload
+def read_gguf_weights(path: str, keep_blocks: Literal[False] = False) -> dict[str, torch.Tensor]: ...
+@overload
+def read_gguf_weights(path: str, keep_blocks: bool) -> dict[str, torch.Tensor | BlockWeight]: ...
+def read_gguf_weights(path: str, keep_blocks: bool = False) -> Union[dict[str, torch.Tensor],
+                                                                      dict[str, torch.Tensor | BlockWeight]]:
     """Every weight of a GGUF file keyed by Hugging Face Llama/Qwen2 names, dequantized to float32
     or, with ``keep_blocks``, Q4_0/Q4_1/Q8_0/Q5_0/Q4_K matrices kept as the file's blocks (``BlockWeight``).
 
@@ -108,7 +113,7 @@ def read_gguf_weights(path: str, keep_blocks: bool = False) -> dict[str, torch.T
     arch = family_of_gguf(gguf_arch, path).name
     num_heads = int(_required(reader, f"{gguf_arch}.attention.head_count", path))
     num_kv_heads = int(_get(reader, f"{gguf_arch}.attention.head_count_kv", num_heads))
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | BlockWeight] = {}
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
@@ -117,6 +122,7 @@ def read_gguf_weights(path: str, keep_blocks: bool = False) -> dict[str, torch.T
             raise ValueError(
                 f"GGUF file {path} has tensor '{tensor.name}', which lmserve does not know for arch '{gguf_arch}'"
             )
+        value: torch.Tensor | BlockWeight
         if keep_blocks and tensor.tensor_type.name in gguf_block_types() and len(tensor.shape) == 2:
             cols, rows = (int(n) for n in tensor.shape)
             value = from_gguf_blocks(tensor.data, tensor.tensor_type.name, rows, cols)
@@ -126,7 +132,7 @@ def read_gguf_weights(path: str, keep_blocks: bool = False) -> dict[str, torch.T
         for part, n_head in heads.items():
             if family(arch).rope_permuted and part in tensor.name:
                 if isinstance(value, BlockWeight):
-                    value = value.map_rows(lambda t, n=n_head: _unpermute_rope_rows(t, n))
+                    value = value.map_rows(functools.partial(_unpermute_rope_rows, n_head=n_head))
                 else:
                     value = _unpermute_rope_rows(value, n_head)
         weights[hf_name] = value
@@ -140,7 +146,7 @@ class _PlainArrayReader(GGUFReader):
     memmap slice pays Python-level bookkeeping; a plain view of the same mapping parses ~3x faster.
     """
 
-    @property
+    @property  # type: ignore[override]  # a plain ndarray where the stub says np.memmap, on purpose
     def data(self) -> np.ndarray:
         return self._data
 
@@ -177,6 +183,10 @@ def _required(reader: GGUFReader, key: str, path: str) -> Any:
     return value
 
 
+@overload
+def _get_float(reader: GGUFReader, key: str, default: float) -> float: ...
+@overload
+def _get_float(reader: GGUFReader, key: str, default: None = None) -> Optional[float]: ...
 def _get_float(reader: GGUFReader, key: str, default: Optional[float] = None) -> Optional[float]:
     """A float metadata value, as the decimal it was written from (GGUF stores 1e-5 as the
     float32 9.99999975e-06; its shortest float32 repr gives back 1e-05)."""

@@ -50,7 +50,9 @@ def read_hf_args(model_dir: str) -> ModelArgs:
     rope_theta, rope_scaling = _rope(config)
     sliding_window, window_layers = _sliding_window(config, arch)
     bos = config.get("bos_token_id")
-    ssm, ssm_layers, rotary_dim = None, (), None
+    ssm: Optional[SSMArgs] = None
+    ssm_layers: tuple[int, ...] = ()
+    rotary_dim: Optional[int] = None
     if arch == "bamba":
         ssm = _bamba_mixer(config)
         attn = set(config.get("attn_layer_indices") or ())
@@ -98,7 +100,7 @@ def _mamba_args(config: dict[str, Any], arch: str, eos_ids: list[int]) -> ModelA
     """A Mamba or Mamba2 model: every layer a mixer, no attention and no MLP."""
     hidden = int(config["hidden_size"])
     inner = int(config.get("intermediate_size") or config.get("expand", 2) * hidden)
-    common = dict(inner=inner, state_size=int(config.get("state_size", 16)),
+    common: dict[str, Any] = dict(inner=inner, state_size=int(config.get("state_size", 16)),
                   conv_kernel=int(config.get("conv_kernel", 4)),
                   conv_bias=bool(config.get("use_conv_bias", True)),
                   proj_bias=bool(config.get("use_bias", False)))

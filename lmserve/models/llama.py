@@ -11,19 +11,19 @@ recurrent layers: which slots hold their state, ``ForwardContext.state_meta``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, TypeGuard, Union
 
 import torch
 
 from lmserve.attention.base import AttentionBackend
-from lmserve.attention.cpu_paged import CpuPagedBackend
+from lmserve.attention.cpu_paged import CpuPagedBackend, PagedMeta
 from lmserve.cache.kv import KVCache
 from lmserve.cache.state import StateCache
 from lmserve.layers.blocks import BlockWeight
 from lmserve.layers.call_list import THREADS, Arg, CallList, Slot, call_lists_available
 from lmserve.layers.compiled import CompiledLayerOps
 from lmserve.layers.fused import FusedOps, TorchOps
-from lmserve.layers.linear import ACT_TENSOR_DTYPES, MlpActs, Weight, make_linear
+from lmserve.layers.linear import ACT_TENSOR_DTYPES, DenseLinear, Linear, MlpActs, Weight, dense_weight, make_linear
 from lmserve.layers.rotary import RotaryEmbedding, partial_rotary_order
 from lmserve.layers.ssm import StateMeta
 from lmserve.layers.ssm_kernels import SSMKernels
@@ -69,7 +69,10 @@ class LayerCalls:
         values = {name: b.data_ptr() for name, b in buffers.items()}
         values |= {"x": x.data_ptr(), "tokens": tokens, THREADS.name: torch.get_num_threads()}
         cos, sin = ctx.cos.contiguous(), ctx.sin.contiguous()  # alive until the calls return
-        self.calls.run(values | ctx.backend.call_values(ctx.attn_meta, cos, sin))
+        backend, meta = ctx.backend, ctx.attn_meta
+        # layer_calls builds a LayerCalls only on the C++ paged attention
+        assert isinstance(backend, CpuPagedBackend) and isinstance(meta, PagedMeta)
+        self.calls.run(values | backend.call_values(meta, cos, sin))
         return buffers["down"]
 
 
@@ -89,26 +92,28 @@ class LlamaLayer:
 
         attn = "self_attn."
         q, k, v = (get(attn + f"{p}_proj.weight") for p in "qkv")
-        biases = [get(attn + f"{p}_proj.bias") for p in "qkv"] if args.attention_bias else None
+        biases = [dense_weight(get(attn + f"{p}_proj.bias")) for p in "qkv"] if args.attention_bias else None
         if args.rotary_dim is not None:  # partial rotary (dense weights: Hugging Face models)
             order = partial_rotary_order(args.head_dim, args.rotary_dim)
 
             def reorder(t: torch.Tensor) -> torch.Tensor:  # each head's rows (and bias entries)
                 return t.view(-1, args.head_dim, *t.shape[1:])[:, order].reshape(t.shape)
 
-            q, k = reorder(q), reorder(k)
+            q, k = reorder(dense_weight(q)), reorder(dense_weight(k))
             if biases is not None:
                 biases[:2] = [reorder(b) for b in biases[:2]]
         qkv_bias = torch.cat(biases) if biases is not None else None
         self.kv_index = kv_index
         self.qkv = make_linear([q, k, v], qkv_bias, fmt, act)
         # Llama configs with attention_bias=True also have an o_proj bias
-        self.o = make_linear([get(attn + "o_proj.weight")], w.get(prefix + attn + "o_proj.bias"), fmt, act)
+        o_bias = w.get(prefix + attn + "o_proj.bias")
+        self.o = make_linear([get(attn + "o_proj.weight")], None if o_bias is None else dense_weight(o_bias), fmt,
+                             act)
         self.gate_up = make_linear([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], None, fmt,
                                    mlp_act.gate_up)
         self.down = make_linear([get("mlp.down_proj.weight")], None, fmt, mlp_act.down)
-        self.norm1 = get("input_layernorm.weight").float()
-        self.norm2 = get("post_attention_layernorm.weight").float()
+        self.norm1 = dense_weight(get("input_layernorm.weight")).float()
+        self.norm2 = dense_weight(get("post_attention_layernorm.weight")).float()
         self.dtype = ACT_TENSOR_DTYPES[act]  # into q/k/v (and so into o: attention returns qkv's dtype)
         self.mlp_dtype = mlp_act.dtype  # into gate/up (and so into down)
         self.eps = args.rms_norm_eps
@@ -119,6 +124,7 @@ class LlamaLayer:
         the block, and return its MLP output, which the next norm adds in turn."""
         ops, compiled = ctx.ops, ctx.compiled
         if compiled is not None:  # the same ops, as graphs shared by every layer (dense weights)
+            assert isinstance(self.qkv, DenseLinear)  # parse_opt allows compile on dense weights only
             qkv = compiled.before_attention(x, delta, self.norm1, self.eps, self.dtype, self.qkv.weight,
                                             self.qkv.bias)
         else:
@@ -128,6 +134,8 @@ class LlamaLayer:
             windowed=bool(ctx.windowed) and ctx.windowed[layer],
         )  # (T, H * hd)
         if compiled is not None:
+            assert isinstance(self.o, DenseLinear) and isinstance(self.gate_up, DenseLinear) \
+                and isinstance(self.down, DenseLinear)  # dense weights, as above
             return compiled.after_attention(x, attn, self.o.weight, self.o.bias, self.norm2, self.eps,
                                             self.mlp_dtype, self.gate_up.weight, self.down.weight)
         o = self.o(attn)
@@ -208,14 +216,15 @@ class LlamaModel:
                        attention.index(i) - sum(a < before for a in attention))
             for i in self.layer_ids
         ]
-        self.norm = weights["model.norm.weight"].float()
-        self.lm_head = None
+        self.norm = dense_weight(weights["model.norm.weight"]).float()
+        self.lm_head: Optional[Linear] = None
         if head:
-            head = weights.get("lm_head.weight")
-            if head is None or args.tie_word_embeddings:
-                head = embed
-            self.lm_head = make_linear([head], None, weight_format, act_dtype)
-            if head is embed and getattr(self.lm_head, "weight", None) is not None \
+            head_weight = weights.get("lm_head.weight")
+            if head_weight is None or args.tie_word_embeddings:
+                head_weight = embed
+            assert head_weight is not None  # a model's head, or its embedding when tied
+            self.lm_head = make_linear([head_weight], None, weight_format, act_dtype)
+            if head_weight is embed and isinstance(self.lm_head, DenseLinear) \
                     and self.lm_head.weight.dtype == self.dtype:
                 self.embed = self.lm_head.weight  # tied and dense in the same dtype: one copy
 
@@ -226,24 +235,27 @@ class LlamaModel:
         (the torch paths, dense weights other than float32 on a CPU, biases, an all-reduce over gloo) or the call-list
         runner did not build. ``windowed``: per layer, it attends within the step's sliding
         window (which has ``sinks``); ``all_reduce``: tensor parallelism's, or None."""
-        if any(isinstance(layer, MixerLayer) for layer in self.layers):
+        layers = self.layers
+        if not _attention_only(layers):
             return None
         if all_reduce is not None and all_reduce.packed_call is None:
             return None
-        linears = [(m, dtype) for layer in self.layers
+        linears = [(m, dtype) for layer in layers
                    for m, dtype in ((layer.qkv, layer.dtype), (layer.o, layer.dtype),
                                     (layer.gate_up, layer.mlp_dtype), (layer.down, layer.mlp_dtype))]
         if not (isinstance(ops, FusedOps) and isinstance(backend, CpuPagedBackend) and call_lists_available()
                 and all(m.packable(dtype) for m, dtype in linears)):
             return None
         return LayerCalls(CallList(self.packed_layer_calls(backend, ops, kv, windowed, sinks, all_reduce)),
-                          self.layers[0].buffers(sinks))
+                          layers[0].buffers(sinks))
 
     def packed_layer_calls(self, backend: CpuPagedBackend, ops: FusedOps, kv: KVCache,
                            windowed: tuple[bool, ...] = (), sinks: bool = False,
                            all_reduce=None) -> list[list[Arg]]:
         """Every layer's ``packed_calls`` in order (where ``layer_calls`` gives a ``LayerCalls``)."""
-        return [call for i, layer in enumerate(self.layers)
+        layers = self.layers
+        assert _attention_only(layers)  # as layer_calls checked
+        return [call for i, layer in enumerate(layers)
                 for call in layer.packed_calls(backend, ops, kv.k[i], kv.v[i], first=i == 0,
                                                windowed=bool(windowed) and windowed[i], sinks=sinks,
                                                all_reduce=all_reduce)]
@@ -270,10 +282,17 @@ class LlamaModel:
                     ctx.captured[i] = x.clone() if delta is None else x + delta.float()
                 delta = layer(x, delta, ctx, i)
         if not self.last:  # what the next stage's first norm would add, as the fused ops add it
+            assert delta is not None  # a stage has layers
             return x.add_(delta.float())
         return ctx.ops.add_rms_norm(x, delta, self.norm, self.args.rms_norm_eps, self.dtype)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``(S, V)`` for the selected hidden states ``(S, D)``."""
+        assert self.lm_head is not None  # asked only of a model built with its head
         return self.lm_head(hidden).float()
+
+
+def _attention_only(layers: list[Union[LlamaLayer, MixerLayer]]) -> TypeGuard[list[LlamaLayer]]:
+    """Whether every layer is an attention block (no recurrent mixer)."""
+    return not any(isinstance(layer, MixerLayer) for layer in layers)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Optional
+from typing import Literal, Optional, Union, overload
 
 import torch
 
@@ -41,7 +41,12 @@ def read_model_args(model: Optional[str]) -> ModelArgs:
     return read_hf_args(path) if os.path.isdir(path) else read_gguf_args(path)
 
 
-def load_weights(model: Optional[str], keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockWeight]:
+@overload
+def load_weights(model: Optional[str], keep_blocks: Literal[False] = False) -> dict[str, torch.Tensor]: ...
+@overload
+def load_weights(model: Optional[str], keep_blocks: bool) -> dict[str, torch.Tensor | BlockWeight]: ...
+def load_weights(model: Optional[str], keep_blocks: bool = False) -> Union[dict[str, torch.Tensor],
+                                                                           dict[str, torch.Tensor | BlockWeight]]:
     """Load a model's weights keyed by Hugging Face Llama names: float32 tensors, except GGUF
     block-quantized matrices (Q4_0, Q4_1, Q8_0, Q5_0, Q4_K) with ``keep_blocks``, which stay ``BlockWeight``."""
     path = resolve_model_path(model)

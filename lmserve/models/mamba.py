@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from lmserve.layers.linear import ACT_TENSOR_DTYPES, MlpActs, Weight, make_linear
+from lmserve.layers.linear import ACT_TENSOR_DTYPES, MlpActs, Weight, dense_weight, make_linear
 from lmserve.layers.ssm import MambaMixer
 from lmserve.models.args import ModelArgs
 
@@ -21,15 +21,16 @@ class MixerLayer:
 
     def __init__(self, args: ModelArgs, w: dict[str, Weight], prefix: str, fmt: str, act: str,
                  mlp_act: MlpActs, state_index: int) -> None:
+        assert args.ssm is not None  # a model with recurrent layers has their args
         self.mixer = MambaMixer(args.ssm, w, prefix + "mamba.", fmt, act, args.rms_norm_eps)
-        self.norm1 = w[prefix + "input_layernorm.weight"].float()
+        self.norm1 = dense_weight(w[prefix + "input_layernorm.weight"]).float()
         self.state_index = state_index
         self.dtype = ACT_TENSOR_DTYPES[act]
         self.mlp_dtype = mlp_act.dtype
         self.eps = args.rms_norm_eps
         self.has_mlp = prefix + "mlp.down_proj.weight" in w
         if self.has_mlp:
-            self.norm2 = w[prefix + "post_attention_layernorm.weight"].float()
+            self.norm2 = dense_weight(w[prefix + "post_attention_layernorm.weight"]).float()
             self.gate_up = make_linear([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]],
                                        None, fmt, mlp_act.gate_up)
             self.down = make_linear([w[prefix + "mlp.down_proj.weight"]], None, fmt, mlp_act.down)

@@ -68,9 +68,10 @@ class ShmAllReduce:
     ``world`` ranks, this one the ``rank``-th; the group's ranks are ``first`` onwards."""
 
     def __init__(self, path: str, rank: int, world: int, timeout_s: float, first: int = 0) -> None:
-        self.lib = shm_library()
-        if self.lib is None:
+        lib = shm_library()
+        if lib is None:
             raise RuntimeError("the C++ shared-memory all-reduce is not available on this machine")
+        self.lib = lib
         self.rank, self.world, self.timeout_ms = rank, world, int(timeout_s * 1000)
         self.first = first
         self.map, self.address = map_segment(path, segment_bytes(world))

@@ -63,6 +63,7 @@ class ShmChannel:
     def __init__(self, path: str, peer: int, timeout_s: float,
                  lost: Callable[[], Optional[str]] = lambda: None) -> None:
         lib = shm_library()
+        assert lib is not None  # built only where shm_available() (parallel/group.py)
         lib.lm_shm_wait_above.restype = ctypes.c_int64
         lib.lm_shm_wait_above.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.lm_shm_publish.argtypes = [ctypes.c_void_p, ctypes.c_int64]

@@ -97,7 +97,7 @@ class ParallelGroup:
         self.last_send = time.monotonic()
         self.send_seconds = 0.0  # rank 0's time handing out commands (benchmarks/parallel.py)
         self._closing = threading.Event()
-        self._unpinned = None  # the calling thread's cores and threads before ``start``
+        self._unpinned: Optional[tuple[set[int], int]] = None  # the calling thread's cores and threads before ``start``
 
     @staticmethod
     def start(config: EngineConfig) -> ParallelGroup:

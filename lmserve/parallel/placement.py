@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Placement:
         return f"tcp://{self.master_addr}:{self.master_port}"
 
 
-def placement(world: int, env: dict[str, str] = os.environ) -> Placement:
+def placement(world: int, env: Mapping[str, str] = os.environ) -> Placement:
     """This process's place for ``world`` ranks, from the environment (see the module docstring)."""
     addr = env.get("MASTER_ADDR", "127.0.0.1")
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun
@@ -61,7 +62,7 @@ def placement(world: int, env: dict[str, str] = os.environ) -> Placement:
     return Placement(world, first, nnodes, addr, port, tuple(range(first + 1, first + per_node)))
 
 
-def _port(env: dict[str, str]) -> int:
+def _port(env: Mapping[str, str]) -> int:
     return int(env["MASTER_PORT"])
 
 

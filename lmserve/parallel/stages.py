@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional
+from typing import Mapping, Optional
 
 from lmserve.layers.linear import Weight
 from lmserve.models.args import ModelArgs
@@ -42,7 +42,7 @@ def check_stageable(args: ModelArgs, stages: int) -> None:
 
 
 def stage_layers(args: ModelArgs, stages: int, tensor: int = 1,
-                 env: dict[str, str] = os.environ) -> tuple[range, ...]:
+                 env: Mapping[str, str] = os.environ) -> tuple[range, ...]:
     """Each stage's layers, in order (see the module docstring); ``tensor``: the ranks each
     layer is split across (the head is not: it weighs ``tensor`` times more against them)."""
     check_stageable(args, stages)
@@ -69,7 +69,7 @@ def _balanced(layers: int, stages: int, head: float) -> list[int]:
             if others else [first]
         if sum(counts) != layers or min(counts) < 1:
             continue
-        cost = max([counts[0] + head] + counts[1:])
+        cost = max([counts[0] + head, *counts[1:]])
         if best is None or cost < best[0]:
             best = (cost, counts)
     assert best is not None

@@ -12,7 +12,7 @@ import json
 import os
 import re
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 from lmserve.errors import InvalidRequestError
 from lmserve.structured.json_schema import SchemaError, check_schema
@@ -61,13 +61,16 @@ class GrammarCompiler:
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
+                assert params.choice is not None  # the field its kind names is set
                 alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
                 return compiler.compile_grammar(f"root ::= {alternatives}")
             if kind == "grammar":
                 grammar = params.grammar
+                assert grammar is not None  # the field its kind names is set
                 if "::=" not in grammar:  # no EBNF rule: Lark, as vLLM also accepts
                     grammar = xgr.Grammar.from_lark(grammar)
                 return compiler.compile_grammar(grammar)
+            assert params.structural_tag is not None  # the kind left: structural_tag
             tag = _current_tag_shape(json.loads(params.structural_tag))
             for where, schema in _tag_schemas(tag, ""):
                 try:
@@ -114,6 +117,7 @@ def _current_tag_shape(tag: Any) -> Any:
 def _tag_schemas(node: Any, pointer: str) -> list[tuple[str, Any]]:
     """The JSON schemas inside a structural tag, each with its JSON pointer in the tag."""
     found: list[tuple[str, Any]] = []
+    items: Iterable[tuple[Any, Any]]
     if isinstance(node, dict):
         if node.get("type") == "json_schema" and "json_schema" in node:
             found.append((pointer, node["json_schema"]))

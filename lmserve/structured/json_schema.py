@@ -12,7 +12,7 @@ and anything else is refused with the JSON pointer of the subschema at fault.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 # Keywords that only describe: they never change which instances are valid.
 ANNOTATIONS = frozenset({
@@ -64,6 +64,7 @@ def check_schema(schema: Any) -> None:
 
 def _check_shapes(node: dict[str, Any], pointer: str) -> None:
     """Refuse keyword values of the wrong JSON type (``"type": {...}``, ``"required": "a"``)."""
+    shapes: dict[str, Union[type, tuple[type, ...]]]
     shapes = {"type": (str, list), "format": str, "pattern": str, "required": list, "enum": list,
               "$ref": str, "minimum": (int, float), "maximum": (int, float),
               "exclusiveMinimum": (int, float), "exclusiveMaximum": (int, float),

@@ -17,7 +17,7 @@ import os
 import random
 import sys
 import time
-from typing import Any
+from typing import Any, Union
 
 import torch
 from safetensors.torch import save_file
@@ -26,6 +26,7 @@ from tqdm import tqdm
 from lmserve.engine.core import EngineCore
 from lmserve.engine_args import add_engine_args, engine_config_from_args
 from lmserve.models.loader import load_weights
+from lmserve.models.source import ModelFiles
 from lmserve.outputs import EngineStats
 from lmserve.speculative.draft_vocab import write_draft_vocab
 from lmserve.speculative.head_nets import EagleNet, MedusaNet
@@ -100,7 +101,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     started = time.perf_counter()
 
     core = EngineCore(config)
-    _log(f"{args.kind} heads for {core.source.path} at opt {config.opt or 'default'}: {len(train)} prompts, "
+    source = core.source
+    assert isinstance(source, ModelFiles)  # not a model library: refused above
+    _log(f"{args.kind} heads for {source.path} at opt {config.opt or 'default'}: {len(train)} prompts, "
          f"{args.answers} answer{'s' if args.answers > 1 else ''} each of up to {args.max_tokens} tokens")
     with tqdm(total=len(train) * args.answers * args.max_tokens, unit="tok", desc="answering",
               file=sys.stderr) as bar:
@@ -111,7 +114,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               file=sys.stderr) as bar:
         features(core, samples, (), bar.update)
     head, embed = _head_and_embedding(core)
-    args_of_model, model_path = core.args, core.source.path
+    args_of_model, model_path = core.args, source.path
     del core
 
     bar = tqdm(total=settings.epochs * sum(len(s.tokens) for s in samples), unit="tok",
@@ -121,6 +124,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         bar.set_postfix(loss=f"{loss:.3f}", top1=f"{accuracy:.2f}", refresh=False)
         bar.update(tokens)
 
+    net: Union[EagleNet, MedusaNet]
     with bar:
         if args.kind == "eagle":
             net = fit_eagle(samples, head, embed, args_of_model, settings, progress)
@@ -198,7 +202,9 @@ def _write(out: str, config: dict, name: str, state: dict[str, torch.Tensor]) ->
 
 def _head_and_embedding(core: EngineCore) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's head and token embeddings ``(V, D)`` in float32, from its file."""
-    weights = load_weights(core.source.path)
+    source = core.source
+    assert isinstance(source, ModelFiles)  # train-heads refuses a model library
+    weights = load_weights(source.path)
     embed = weights["model.embed_tokens.weight"].float()
     head = weights.get("lm_head.weight")
     head = embed if head is None or core.args.tie_word_embeddings else head.float()

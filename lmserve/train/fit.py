@@ -120,6 +120,7 @@ def fit_medusa(samples: list[Sample], head: torch.Tensor, num_heads: int, num_la
 
     def loss_of(sample: Sample) -> tuple[torch.Tensor, int, int]:
         f, n = sample.features, len(sample.tokens)
+        assert f is not None  # features() recorded every sample before the fit
         losses, right, counted = [], 0, 0
         for i in range(num_heads):
             rows = n - i - 1  # positions t with a feature at t + i + 1
@@ -149,14 +150,17 @@ def fit_eagle(samples: list[Sample], head: torch.Tensor, embed: torch.Tensor, ta
 
     def loss_of(sample: Sample) -> tuple[torch.Tensor, int, int]:
         f = sample.features
+        assert f is not None  # features() recorded every sample before the fit
         noisy = f[:-1] + (torch.rand_like(f[:-1]) - 0.5) * settings.noise
         emb = embed[torch.tensor(sample.tokens[1:])].float()  # (n-1, D): token p + 1
         # (n-1, D) each: the feature at p + 1; pass s from row s on (a chain needs s earlier
         # rows, so a conversation of n tokens has at most n - 1 passes)
         passes = net.draft_passes(emb, noisy, rotary, min(settings.draft_passes, len(emb)))
         results = [objective(hidden[s:], f[1 + s :]) for s, hidden in enumerate(passes)]
+        _, hits, labeled = results[0]  # top-1 of the first draft
         total = sum(STEP_WEIGHT**s * loss for s, (loss, _, _) in enumerate(results))
-        return total, *results[0][1:]  # top-1 of the first draft
+        assert isinstance(total, torch.Tensor)  # a sum of one loss or more
+        return total, hits, labeled
 
     _fit(list(net.parameters()), samples, settings, loss_of, progress)
     return net

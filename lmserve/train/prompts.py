@@ -88,7 +88,7 @@ def builtin_prompts() -> list[str]:
         prompts = [t.format(s) for t in templates for s in subjects]
         random.Random(len(prompts)).shuffle(prompts)
         per_kind.append(prompts)
-    out = []
+    out: list[str] = []
     for i in range(max(len(p) for p in per_kind)):
         out.extend(p[i] for p in per_kind if i < len(p))
     return out

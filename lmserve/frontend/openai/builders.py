@@ -30,6 +30,7 @@ from lmserve.frontend.openai.protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    FinishReason,
     TopLogprob,
     Usage,
 )
@@ -165,6 +166,13 @@ class _StreamBuilder:
         state.finished = delta.finish_reason is not None
         return state, first
 
+    @staticmethod
+    def _finish_reason(delta: SequenceDelta) -> Optional[FinishReason]:
+        """The delta's finish reason, once ``_advance`` took it: never "abort" (refused there)."""
+        reason = delta.finish_reason
+        assert reason != "abort"  # _advance raised RequestAborted
+        return reason
+
     @property
     def usage(self) -> Usage:
         """Token counts so far: the prompt(s) once, plus every choice's generated tokens."""
@@ -200,7 +208,8 @@ class ChatStreamBuilder(_StreamBuilder):
         chunks = []
         for delta in output.deltas:
             _, first = self._advance(delta.index, delta)
-            text, pieces, finish = delta.text, [], delta.finish_reason
+            text, finish = delta.text, self._finish_reason(delta)
+            pieces: list[ToolCallPiece] = []
             if self._tool_format is not None:
                 calls = self._tool_streams.setdefault(delta.index, ToolCallStream(self._tool_format))
                 text, pieces = calls.feed(delta.text, final=finish is not None)
@@ -236,6 +245,7 @@ def _fold_tool_calls(parts: list[ChatChunkChoice]) -> Optional[list[ChatToolCall
     for part in parts:
         for piece in part.delta.tool_calls or ():
             if piece.index not in calls:
+                assert piece.id is not None and piece.function.name is not None  # a call's first piece
                 calls[piece.index] = ChatToolCall(id=piece.id, function=ChatFunctionCall(
                     name=piece.function.name, arguments=""))
             calls[piece.index].function.arguments += piece.function.arguments or ""
@@ -299,8 +309,9 @@ class CompletionStreamBuilder(_StreamBuilder):
             if text or pieces:
                 logprobs = join_completion_logprobs(pieces) if pieces else None
                 chunks.append(self._chunk([CompletionChoice(index=index, text=text, logprobs=logprobs)]))
-            if delta.finish_reason:  # in a chunk of its own, as OpenAI ends a choice
-                chunks.append(self._chunk([CompletionChoice(index=index, text="", finish_reason=delta.finish_reason,
+            finish = self._finish_reason(delta)
+            if finish:  # in a chunk of its own, as OpenAI ends a choice
+                chunks.append(self._chunk([CompletionChoice(index=index, text="", finish_reason=finish,
                                                             stop_reason=delta.stop_reason)]))
         return chunks
 

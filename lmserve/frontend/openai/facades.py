@@ -16,7 +16,7 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Sequence
 from contextlib import aclosing, closing
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, TypeVar, Union
@@ -61,12 +61,24 @@ _T = TypeVar("_T")
 class TokenizerLike(Protocol):
     """The tokenizer calls the facades make."""
 
-    hf: Any  # the Hugging Face tokenizer: token bytes for logprobs (see ``hf_token_bytes``)
-    # The most characters of text one token stands for: a text longer than the context times
-    # this cannot fit, and is refused without tokenizing it.
-    max_token_chars: int
-    chat_template: Optional[str]  # the template's text, to tell its tool-call format
-    template_renders_tools: bool  # whether the template writes the tools it is given
+    # (Read-only properties: an implementation may hold them as attributes or properties.)
+
+    @property
+    def hf(self) -> Any:
+        """The Hugging Face tokenizer: token bytes for logprobs (see ``hf_token_bytes``)."""
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for: a text longer than the context
+        times this cannot fit, and is refused without tokenizing it."""
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The template's text, to tell its tool-call format."""
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the template writes the tools it is given."""
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Text -> token ids; ``add_special_tokens`` adds the BOS the model expects at the start."""
@@ -82,10 +94,20 @@ class TokenizerLike(Protocol):
 
 
 class _BackendBase(Protocol):
-    tokenizer: TokenizerLike
-    model_name: str  # reported in responses; a request naming another model is refused
-    max_model_len: int  # prompt plus generated tokens must fit in this
-    generation_defaults: GenerationDefaults  # the model's sampling defaults for unset fields
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def model_name(self) -> str:
+        """Reported in responses; a request naming another model is refused."""
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus generated tokens must fit in this."""
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The model's sampling defaults for unset fields."""
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` for a request the engine would refuse (any thread)."""
@@ -95,14 +117,14 @@ class Backend(_BackendBase, Protocol):
     """A sync engine: ``generate`` yields a request's outputs; closing the iterator aborts it."""
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str) -> Iterator[RequestOutput]: ...
+                 request_id: str) -> Generator[RequestOutput, None, None]: ...
 
 
 class AsyncBackend(_BackendBase, Protocol):
     """An async engine: as ``Backend``, with an async iterator (closing or cancelling aborts)."""
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]: ...
+                 request_id: str) -> AsyncGenerator[RequestOutput, None]: ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,11 +228,12 @@ def _prepare_chat(backend: _BackendBase, limits: RequestLimits, kwargs: dict[str
                                   "tool_choice 'none' to show the tools without calls", "tool_choice")
     params = _sampling_params(request, len(prompt), backend, "messages")
     if mode is not None:
+        assert fmt is not None  # refused above otherwise
         params = _with_tool_grammar(params, request, fmt, mode)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    common = dict(request_id=request_id, model=backend.model_name, created=int(time.time()),
-                  prompt_tokens=len(prompt), token_bytes=_lazy_token_bytes(tokenizer),
-                  tool_format=fmt if mode is not None else None)
+    common: dict[str, Any] = dict(request_id=request_id, model=backend.model_name, created=int(time.time()),
+                                  prompt_tokens=len(prompt), token_bytes=_lazy_token_bytes(tokenizer),
+                                  tool_format=fmt if mode is not None else None)
     builder: Union[ChatStreamBuilder, ChatResponseBuilder] = (
         ChatStreamBuilder(**common, include_usage=request.wants_usage_chunk) if request.stream
         else ChatResponseBuilder(**common))
@@ -273,12 +296,13 @@ def _prepare_completion(backend: _BackendBase, limits: RequestLimits, kwargs: di
     request = CompletionRequest.parse(kwargs)
     _check_model(request, backend)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    texts = request.prompts()
+    texts: Sequence[Union[str, list[int]]] = request.prompts()
     limits.check(request.stop_strings(), len(texts), request.n or 1)
     for text in texts:
         if isinstance(text, str):
             check_text_fits(len(text), backend, "prompt")
-    runs, prompts = [], []
+    runs: list[tuple[str, list[int], SamplingParams]] = []
+    prompts: list[CompletionPrompt] = []
     for i, text in enumerate(texts):
         # A text prompt starts the sequence, so it gets the model's BOS (chat templates write theirs).
         ids = backend.tokenizer.encode(text, add_special_tokens=True) if isinstance(text, str) else list(text)
@@ -289,8 +313,8 @@ def _prepare_completion(backend: _BackendBase, limits: RequestLimits, kwargs: di
         hidden = _not_echoed(backend.tokenizer, text, ids) if echo is not None and request.logprobs \
             else frozenset()
         prompts.append(CompletionPrompt(run_id, len(ids), echo, hidden))
-    common = dict(request_id=request_id, model=backend.model_name, created=int(time.time()), prompts=prompts,
-                  n=runs[0][2].n, token_bytes=_lazy_token_bytes(backend.tokenizer))
+    common: dict[str, Any] = dict(request_id=request_id, model=backend.model_name, created=int(time.time()),
+                                  prompts=prompts, n=runs[0][2].n, token_bytes=_lazy_token_bytes(backend.tokenizer))
     builder: Union[CompletionStreamBuilder, CompletionResponseBuilder] = (
         CompletionStreamBuilder(**common, include_usage=request.wants_usage_chunk) if request.stream
         else CompletionResponseBuilder(**common))
@@ -338,24 +362,28 @@ def _generate_one_by_one(backend: Backend, job: PreparedRequest) -> Generator[Re
 # close the engine streams right away, which is what aborts their requests.
 
 
-def _stream(job: PreparedRequest, outputs: Iterator[RequestOutput]) -> Iterator[Any]:
+def _stream(job: PreparedRequest, outputs: Generator[RequestOutput, None, None]) -> Iterator[Any]:
+    builder = job.builder
+    assert isinstance(builder, (ChatStreamBuilder, CompletionStreamBuilder))  # job.stream
     with closing(outputs):
         for output in outputs:
-            yield from job.builder.add(output)
-    yield from job.builder.finish()
+            yield from builder.add(output)
+    yield from builder.finish()
 
 
 def _run(backend: Backend, job: PreparedRequest) -> Any:
     outputs = _generate_one_by_one(backend, job)
     if job.stream:
         return _stream(job, outputs)
+    builder = job.builder
+    assert isinstance(builder, (ChatResponseBuilder, CompletionResponseBuilder))  # not job.stream
     with closing(outputs):
         for output in outputs:
-            job.builder.add(output)
-    return job.builder.build()
+            builder.add(output)
+    return builder.build()
 
 
-async def _merge(streams: list[AsyncIterator[_T]]) -> AsyncGenerator[_T, None]:
+async def _merge(streams: Sequence[AsyncIterator[_T]]) -> AsyncGenerator[_T, None]:
     """Items of all ``streams`` as they come.
 
     Each stream is drained by its own task; leaving early cancels the tasks, which is how an
@@ -390,11 +418,13 @@ async def _merge(streams: list[AsyncIterator[_T]]) -> AsyncGenerator[_T, None]:
 
 
 async def _stream_async(job: PreparedRequest, outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[Any]:
+    builder = job.builder
+    assert isinstance(builder, (ChatStreamBuilder, CompletionStreamBuilder))  # job.stream
     async with aclosing(outputs):
         async for output in outputs:
-            for chunk in job.builder.add(output):
+            for chunk in builder.add(output):
                 yield chunk
-    for chunk in job.builder.finish():
+    for chunk in builder.finish():
         yield chunk
 
 
@@ -404,10 +434,12 @@ async def _run_async(backend: AsyncBackend, job: PreparedRequest) -> Any:
     outputs = streams[0] if len(streams) == 1 else _merge(streams)
     if job.stream:
         return _stream_async(job, outputs)
+    builder = job.builder
+    assert isinstance(builder, (ChatResponseBuilder, CompletionResponseBuilder))  # not job.stream
     async with aclosing(outputs):
         async for output in outputs:
-            job.builder.add(output)
-    return job.builder.build()
+            builder.add(output)
+    return builder.build()
 
 
 # The create methods take ``self`` positional-only, so that a request carrying a field named

@@ -518,8 +518,8 @@ class CompletionRequest(GenerationRequest):
         if isinstance(p, str):
             return [p]
         if isinstance(p[0], int):
-            return [p]  # type: ignore[list-item]
-        return p  # type: ignore[return-value]
+            return [p]
+        return p
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ that body: FastAPI's own 422 validation answer and its ``{"detail": ...}`` bodie
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +30,7 @@ class APIError(Exception):
     """An error answer: HTTP status, message, the request field at fault and a short code."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
+                 code: Optional[str] = None, headers: Optional[Mapping[str, str]] = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

@@ -8,7 +8,7 @@ from it, and the fuzz tests (schemathesis) generate requests from it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -63,7 +63,7 @@ def openapi_document() -> dict[str, Any]:
     _, defs = models_json_schema([(m, "validation") for m in _REQUESTS] + [(m, "serialization") for m in _RESPONSES],
                                  ref_template="#/components/schemas/{model}")
     doc.setdefault("components", {})["schemas"] = defs["$defs"]
-    bodies = {
+    bodies: dict[str, tuple[dict[str, Any], dict[str, Any], Optional[dict[str, Any]]]] = {
         "/v1/chat/completions": (_ref(ChatCompletionRequest), _ref(ChatCompletion), _ref(ChatCompletionChunk)),
         "/v1/completions": (_ref(CompletionRequest), _ref(Completion), _ref(Completion)),
         "/tokenize": ({"oneOf": [_ref(TokenizeTextRequest), _ref(TokenizeChatRequest)]}, {"type": "object"}, None),

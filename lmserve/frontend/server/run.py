@@ -81,9 +81,10 @@ def serve(engine: AsyncEngine, settings: ServerSettings, log_level: str = "info"
     app = create_app(engine, settings)
     if not xgrammar_installed():
         logger.warning("structured output is %s", describe_structured_output())
+    # uvicorn annotates both timeouts int, and takes them as asyncio's seconds: a float works
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
-                            timeout_graceful_shutdown=_CLOSE_TIMEOUT_S,
-                            timeout_keep_alive=settings.keep_alive_timeout,
+                            timeout_graceful_shutdown=_CLOSE_TIMEOUT_S,  # type: ignore[arg-type]
+                            timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]
                             http=HeaderTimeoutProtocol.with_header_timeout(settings.header_timeout))
     server = _DrainingServer(config, engine, app.state.lmserve.gate, settings.shutdown_grace)
     server.run()

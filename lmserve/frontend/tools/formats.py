@@ -95,6 +95,7 @@ class ToolFormat:
         when ``required``, else free text with calls once a block is opened; one call in all
         unless ``parallel``. None: the answer is left free."""
         one_call = {"anyOf": [_call_schema(t, self.arguments_key) for t in tools]}
+        content: dict[str, Any]
         if self.one_call_per_block:
             content = one_call
         else:

@@ -53,7 +53,8 @@ class ToolCallStream:
         """The content and call pieces ``text`` releases; ``final`` on the choice's last delta."""
         if self.fmt.whole_answer:
             return self._feed_whole(text, final)
-        buf, content, pieces = self._held + text, "", []
+        buf, content = self._held + text, ""
+        pieces: list[ToolCallPiece] = []
         self._held = ""
         begin, end = self.fmt.begin, self.fmt.end
         while True:
