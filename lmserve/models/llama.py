@@ -35,7 +35,7 @@ from lmserve.models.mamba import MixerLayer
 class ForwardContext:
     """What every layer of one step shares: attention metadata, rotary angles, the KV cache."""
 
-    backend: AttentionBackend
+    backend: Optional[AttentionBackend]  # None: a model without attention layers (Mamba)
     attn_meta: object
     ops: Union[TorchOps, FusedOps]  # residual add + RMSNorm, SiLU * up
     cos: torch.Tensor  # (T, hd)
@@ -129,6 +129,7 @@ class LlamaLayer:
                                             self.qkv.bias)
         else:
             qkv = self.qkv(ops.add_rms_norm(x, delta, self.norm1, self.eps, self.dtype))
+        assert ctx.backend is not None  # (a model with attention layers has a backend)
         attn = ctx.backend.forward(
             ctx.attn_meta, qkv, ctx.cos, ctx.sin, ctx.kv.k[self.kv_index], ctx.kv.v[self.kv_index],
             windowed=bool(ctx.windowed) and ctx.windowed[layer],

@@ -118,6 +118,7 @@ class EagleModel:
             assert self.input_norm is not None and self.hidden_norm is not None
             h = torch.cat([_rms_norm(emb, self.input_norm, self.eps),
                            _rms_norm(x, self.hidden_norm, self.eps)], dim=-1)
+        assert ctx.backend is not None  # (the head's runner is built with one)
         attn = ctx.backend.forward(ctx.attn_meta, self.qkv(h), ctx.cos, ctx.sin, ctx.kv.k[0],
                                    ctx.kv.v[0], windowed=bool(ctx.windowed) and ctx.windowed[0])
         x = x[rows] + self.o(attn[rows]).float()  # (R, D)
