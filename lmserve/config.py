@@ -109,6 +109,12 @@ OPT_LEVELS: dict[str, OptFlags] = {
 }
 DEFAULT_OPT_LEVEL = "O2"  # what ``opt=None`` means
 DEFAULT_DRAFT_OPT = "O3"  # a draft model's or heads' level unless the knob draft_opt says otherwise
+# Bounds the plan, the checks below and the engine share.
+MAX_ADAPTIVE_K = 8  # the longest draft the adaptive length chooses (speculative/adaptive.py)
+# Tokens one sequence's tree step may hold with its newest token: the C++ kernel keeps a tree
+# token's ancestors as the bits of one 64-bit word.
+MAX_TREE_TOKENS = 64
+MAX_RUN, RUN_SECONDS = 8, 0.025  # a multi-step run's most tokens, and the time it aims at
 
 _DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "f32": "float32",
                   "bfloat16": _BF16, "bf16": _BF16,
@@ -443,9 +449,6 @@ def _check_combinations(c: EngineConfig) -> None:
             f"additional_models, got additional_models=[]"
         )
     if c.speculative_mode != "disable":
-        from lmserve.speculative.adaptive import MAX_ADAPTIVE_K
-        from lmserve.speculative.tree import MAX_TREE_TOKENS
-
         k = c.spec_draft_length or MAX_ADAPTIVE_K
         if c.spec_tree_width > 1 and k * c.spec_tree_width >= MAX_TREE_TOKENS:
             length = (f"spec_draft_length={c.spec_draft_length}" if c.spec_draft_length else

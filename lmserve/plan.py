@@ -20,19 +20,25 @@ from lmserve.attention import resolve_attention, resolve_kv_dtype
 from lmserve.attention.base import AttentionShape
 from lmserve.attention.window import AttentionWindow
 from lmserve.cache.kv import KV_DTYPES, kv_bytes_per_head
-from lmserve.config import DEFAULT_DRAFT_OPT, EngineConfig, OptFlags, parse_opt
-from lmserve.engine.multi_step import MAX_RUN, RUN_SECONDS
+from lmserve.config import (
+    DEFAULT_DRAFT_OPT,
+    MAX_ADAPTIVE_K,
+    MAX_RUN,
+    MAX_TREE_TOKENS,
+    RUN_SECONDS,
+    EngineConfig,
+    OptFlags,
+    parse_opt,
+)
 from lmserve.kernels.build import describe_kernels
 from lmserve.layers.linear import FLOAT_DTYPES
 from lmserve.models.args import ModelArgs
 from lmserve.parallel.shard import check_shardable, shard_args
 from lmserve.parallel.stages import stage_layers
 from lmserve.scheduler import SCORED_ROWS_PER_STEP
-from lmserve.speculative.adaptive import MAX_ADAPTIVE_K
 from lmserve.speculative.draft_level import head_weight_format
 from lmserve.speculative.eagle_heads import eagle_heads_size
 from lmserve.speculative.medusa import medusa_heads_size
-from lmserve.speculative.tree import MAX_TREE_TOKENS
 from lmserve.state_plan import StatePlan, batch_that_fits, plan_state
 from lmserve.structured.xgrammar_lib import describe_structured_output
 from lmserve.util import cdiv

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lmserve.cache.state import state_bytes_per_slot
-from lmserve.config import EngineConfig
+from lmserve.config import MAX_ADAPTIVE_K, EngineConfig
 from lmserve.models.args import ModelArgs
-from lmserve.speculative.adaptive import MAX_ADAPTIVE_K
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+from lmserve.config import MAX_RUN, RUN_SECONDS
 from lmserve.greedy_chain import GreedyChain
 from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch
 from lmserve.speculative.coupled import plain_greedy
 from lmserve.speculative.tree import DraftTree
-
-RUN_SECONDS = 0.025
-MAX_RUN = 8
 
 
 class MultiStepDecode:

@@ -53,9 +53,10 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Optional
 
+from lmserve.config import MAX_ADAPTIVE_K
+
 # The draft lengths the adaptive length moves between; the last is the longest it chooses.
-LENGTHS = (0, 1, 2, 3, 4, 6, 8)
-MAX_ADAPTIVE_K = LENGTHS[-1]
+LENGTHS = (0, 1, 2, 3, 4, 6, MAX_ADAPTIVE_K)
 # Steps between tries of another length: at first, and at most as it doubles while
 # tries lose; longer where tries cost more than _TRY_SHARE of the time, up to _LONGEST_INTERVAL
 _FIRST_INTERVAL, _MAX_INTERVAL = 4, 64

@@ -33,13 +33,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from lmserve.config import OptFlags
+from lmserve.config import MAX_TREE_TOKENS, OptFlags
 from lmserve.models.args import ModelArgs
 from lmserve.request import Sequence
 from lmserve.scheduler import Batch, ScheduledChunk
 from lmserve.speculative.draft_level import head_formats, head_linear
 from lmserve.speculative.draft_vocab import read_draft_vocab, to_token_ids
-from lmserve.speculative.tree import MAX_TREE_TOKENS, MIN_PATH_LOG_PROB, DraftTree
+from lmserve.speculative.tree import MIN_PATH_LOG_PROB, DraftTree
 
 _FILES = ("medusa_lm_head.safetensors", "model.safetensors", "medusa_lm_head.pt", "medusa_lm_head.bin",
           "pytorch_model.bin")

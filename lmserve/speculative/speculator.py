@@ -29,13 +29,13 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
-from lmserve.config import EngineConfig
+from lmserve.config import MAX_ADAPTIVE_K, EngineConfig
 from lmserve.models.args import ModelArgs
 from lmserve.plan import EnginePlan
 from lmserve.request import Sequence
 from lmserve.runner import ModelRunner
 from lmserve.scheduler import Batch, ScheduledChunk
-from lmserve.speculative.adaptive import MAX_ADAPTIVE_K, AdaptiveDraftLength, DraftChoice
+from lmserve.speculative.adaptive import AdaptiveDraftLength, DraftChoice
 from lmserve.speculative.draft_model import DraftModelDrafter, draft_opt
 from lmserve.speculative.eagle import EagleDrafter
 from lmserve.speculative.medusa import MedusaDrafter, read_medusa_heads

@@ -14,10 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# Tokens one sequence's tree step may hold with its newest token: the C++ kernel keeps a tree
-# token's ancestors as the bits of one 64-bit word.
-MAX_TREE_TOKENS = 64
-
 # A drafter on the target's hidden states (EAGLE, Medusa) drafts a node's children only while
 # the node's path is likely enough by the heads' own probabilities: they track the chance that
 # the target accepts the path (EAGLE-2; an EAGLE head trained here: first drafts at p < 0.1
