@@ -1,32 +1,10 @@
 """The KV-cache manager: the scheduler's only door to KV memory.
 
-It owns the page pool and the prefix cache and keeps each sequence's page table
-(``Sequence.pages``, one page per ``page_size`` positions) in step with what the sequence has
-computed. The scheduler asks it five things: reuse a cached prefix, allocate pages for the next
-tokens (with lookahead for draft tokens that may be rejected), free a sequence, offer verified
-tokens to the prefix cache, and roll back pages past what was verified. Only full pages holding
-verified tokens ever enter the prefix cache.
-
-With a drafter that keeps KV (``with_draft``: a draft model, an EAGLE head) a second KV cache
-uses the same pages; a page enters the prefix cache only when both caches hold its tokens, so a
-reused prefix is complete in both. A draft model that catches up on tokens only when it drafts
-(``lazy_draft``: it can recompute its KV from the tokens, where an EAGLE head would need the
-target's features of them) would then keep every prompt it sat out of the cache: there a page
-enters the cache with the target's KV, the manager remembers which pages hold the draft's KV
-too, and a reused prefix is complete in the draft up to its first page without (the draft
-catches up on the rest, writing into the shared pages the very KV another sequence would).
-
-Under a sliding window on every layer (``window``) a sequence gives back, after every step, the
-pages no later query can see: those wholly between its sink pages and the page of the oldest key
-its next token's window holds (``AttentionWindow.first_needed``). Their entries in its page table
-become ``RELEASED``; it then holds at most ``AttentionWindow.max_pages``. Only the part of a
-sequence before its first released page can enter the prefix cache, so every cached prefix is
-complete, and a request that reuses one sees exactly the keys it would have computed.
-
-A model with recurrent layers (``states``, a ``StateManager``) also gives each sequence state
-slots; its prefix cache is state snapshots, and a cached prefix is reused only up to where a
-snapshot sits (and, in a hybrid, its KV pages reach). A model with no attention layer has no
-pages at all (``paged=False``).
+It keeps each sequence's page table (``Sequence.pages``) in step with what the sequence has
+computed: reuse a cached prefix, allocate (with lookahead for drafts), offer verified tokens to
+the prefix cache, roll back rejected drafts, give back pages past a window, free. Only full
+pages of verified tokens enter the prefix cache, complete in every cache that shares the pages
+(a drafter's KV, recurrent-state snapshots). docs/architecture.md tells the rules.
 """
 
 from __future__ import annotations

@@ -1,48 +1,8 @@
-"""The adaptive draft length (``spec_draft_length=0``): the draft length that gives the most
-tokens per second, found by measuring while serving.
-
-What a draft costs depends on the machine, the model, the opt level and the batch (on a CPU,
-one stream reads every weight for one token and a few more tokens cost little; a full batch is
-compute-bound and every extra token costs as much), and what it earns depends on the workload
-(copying a given text accepts most drafts, free chat few). A model of either was wrong by tens
-of percent here, so both are measured, apart:
-
-- What a length earns: the acceptance at each draft position, pooled over every drafted step.
-  A step that drafted k tokens also says what any shorter length would have yielded (the drafts
-  it accepted up to there), so the lengths below the current one need no tries and share one
-  estimate: a run of easy or hard text moves them all alike instead of whichever length was
-  measured in it. A position deeper than any drafted lately starts from the geometric
-  extrapolation of the ones before it (``_PRIOR``).
-- What a length costs: its seconds a sequence-step beside the current length's, per batch size
-  (in powers of two), from the step's scheduling (where prompt lookup finds its matches) on.
-  This is what the engine tries other lengths for: every few steps it runs one, in turn the
-  current length's neighbours among 0, 1, 2, 3, 4, 6, 8 (hill climbing) and plain decoding
-  (0), and takes its time over the current length's time then (the median of its
-  latest steps), so a machine that slows down or speeds up between tries moves neither length;
-  it moves when the tried length's goodput (expected tokens over seconds) is better. Plain
-  decoding is always among the tries because the goodput can be flat over the lengths that draft
-  and still below it: a draft model as large as the target costs about a plain step a draft, and
-  with its chains often cut short by near ties, 3 to 8 drafts yielded the same tokens a second,
-  10-20% below plain decoding (the built-in model at O3 drafting for itself at O2); climbing
-  down one neighbour at a time, the length never left that plateau. A try times its second
-  step: the first pays for the switch (a drafter that sat out plain decoding catches up on the
-  tokens it skipped), which a length it moved to would pay once. (With pipeline stages, one
-  untimed step per stage: their batches hold different sequences. A step in between that runs
-  the try's sequences plain, shared with prefill or of another batch size, drops the try.)
-
-Length 0 is plain decoding, so when drafts do not pay the engine stops drafting, and tries again
-now and then in case the workload changed. Once the current length beats every length it
-tries, tries are spaced by what they cost, to at most ``_TRY_SHARE`` of the time: in a full
-batch a try of one draft costs two or three plain steps, and every 64 steps that was 4-5%
-(EAGLE, c=16). A try that wins brings the tries back to every few steps. A draft model that sat
-out runs every token it skipped before it drafts, prompts included (30 plain steps' time for 16
-long prompts): a try waits until the steps since the last one pay for that catch-up, as
-predicted from how far behind the drafter is and the latest catch-ups' seconds a token.
-
-Each batch size (in powers of two) has its own length, but the sizes a batch passes through as
-its requests finish run a few steps a wave, too few to learn anything: until a size has a
-median of its own, it decodes plain (with that size's spacing of tries) where the nearest size
-that has one does, and starts at its own start otherwise (``_follow``).
+"""The adaptive draft length (``spec_draft_length=0``): the length with the most tokens a
+second, measured while serving. What a length earns is the acceptance at each draft position,
+pooled over every drafted step; what it costs is its step time beside the current length's, per
+batch size, from tries of its neighbours and of plain decoding (hill climbing), spaced by what
+they cost. docs/speculative.md ("The adaptive length") tells the whole rule and why.
 """
 
 from __future__ import annotations

@@ -1,34 +1,11 @@
 """Pydantic models of the OpenAI chat and text completion APIs, as lmserve accepts and returns them.
 
-Requests:
-    ``ChatCompletionRequest`` and ``CompletionRequest`` carry OpenAI's fields plus a few vLLM-style
-    sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-    ``stop_token_ids``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``).
-    Every nullable field defaults to ``None`` and OpenAI's default is applied in
-    ``to_sampling_params``, so an explicit JSON ``null`` means the same as leaving the field out.
-
-    Unknown fields are refused, at every level (a typo such as ``max_token`` or an OpenAI feature
-    we do not implement would otherwise be silently ignored and the caller would get a different
-    generation than they asked for). OpenAI itself ignores some unknown fields; vLLM refuses them.
-
-    Checks that involve one field live on the field; checks across fields (``top_logprobs`` needs
-    ``logprobs``, ``stream_options`` needs ``stream``, ...) run in ``to_sampling_params``, so a
-    request is fully validated once that has returned. Every failure is an
-    ``InvalidRequestError`` whose ``param`` names the offending field, the shape OpenAI's error
-    body uses (``parse`` turns pydantic's ``ValidationError`` into one).
-
-    Structured output: chat's ``response_format`` (``text``, ``json_object``, ``json_schema``)
-    and, on both endpoints, vLLM's ``structured_outputs`` (``json``, ``json_object``, ``regex``,
-    ``choice``, ``grammar``, ``structural_tag``, ``disable_any_whitespace``) become
-    ``SamplingParams.structured_outputs``; a request may use one of the two. ``tools``,
-    ``tool_choice`` and ``parallel_tool_calls`` are read by ``ChatCompletionRequest.tool_mode``
-    (the prompt, the grammar and the parsing of calls live in ``lmserve/frontend/tools``).
-
-Responses:
-    ``ChatCompletion``, ``ChatCompletionChunk``, ``Completion`` (OpenAI uses it for the streamed
-    chunks of text completions too) and their parts have the field names and nesting of the
-    official ``openai`` package's types. Choices also carry ``stop_reason`` (the stop string or
-    stop token id that ended them), as vLLM does; OpenAI clients ignore it.
+Requests carry OpenAI's fields and vLLM's sampling extensions; unknown fields are refused at
+every level (a typo must not silently change a generation). ``parse`` validates the shapes,
+``to_sampling_params`` the combinations and OpenAI's defaults (an explicit ``null`` is the same
+as leaving a field out); every failure is an ``InvalidRequestError`` naming the field.
+Responses have the field names and nesting of the official ``openai`` package's types, plus
+vLLM's ``stop_reason`` on each choice.
 """
 
 from __future__ import annotations
