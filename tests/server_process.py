@@ -61,6 +61,12 @@ class ServerProcess:
         """The official client on this server (no retries: a test sees the first answer)."""
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0)
 
+    def tokenize(self, **body: object) -> list[int]:
+        """The token ids ``/tokenize`` gives for ``body`` (a prompt or messages)."""
+        r = httpx.post(self.base_url + "/tokenize", json=body, timeout=30.0)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()[-5000:]

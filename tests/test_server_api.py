@@ -30,10 +30,6 @@ def client(server):
         yield c
 
 
-def tokenize(server, **body) -> list[int]:
-    return httpx.post(server.base_url + "/tokenize", json=body).json()["tokens"]
-
-
 def test_models_lists_the_served_name(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
@@ -48,7 +44,7 @@ def test_chat_usage_counts_the_prompt_and_the_returned_tokens(client, server):
     assert len(choice.logprobs.content) == 7 == r.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
     assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
-    assert r.usage.prompt_tokens == len(tokenize(server, messages=MESSAGES))
+    assert r.usage.prompt_tokens == len(server.tokenize(messages=MESSAGES))
     assert r.usage.total_tokens == r.usage.prompt_tokens + 7
 
 
@@ -96,7 +92,7 @@ def test_stop_string_ends_the_choice_before_it(client):
 
 
 def test_completion_prompt_forms_and_usage(client, server):
-    ids = tokenize(server, prompt="Hello there")
+    ids = server.tokenize(prompt="Hello there")
     forms = (("Hello there", 1), (["Hello there", "Bye"], 2), (ids, 1), ([ids, ids[:1]], 2))
     for prompt, num_prompts in forms:
         r = client.completions.create(model=MODEL, prompt=prompt, n=2, max_tokens=3, logprobs=1,
@@ -104,7 +100,7 @@ def test_completion_prompt_forms_and_usage(client, server):
         assert sorted(c.index for c in r.choices) == list(range(2 * num_prompts))
         assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices) == 6 * num_prompts
     r = client.completions.create(model=MODEL, prompt=["Hello there", "Bye"], max_tokens=2, extra_body=LONG)
-    assert r.usage.prompt_tokens == len(ids) + len(tokenize(server, prompt="Bye"))
+    assert r.usage.prompt_tokens == len(ids) + len(server.tokenize(prompt="Bye"))
 
 
 def test_completion_echo_and_stream_usage(client):
@@ -117,7 +113,7 @@ def test_completion_echo_and_stream_usage(client):
 
 
 def test_sampling_extensions_reach_the_engine(client, server):
-    token = tokenize(server, prompt=" banana", add_special_tokens=False)[0]
+    token = server.tokenize(prompt=" banana", add_special_tokens=False)[0]
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0.7, top_p=0.9,
                                   logit_bias={str(token): 100}, user="tester", frequency_penalty=0.1,
                                   extra_body=dict(top_k=5, min_p=0.01, repetition_penalty=1.0, **LONG))

@@ -11,7 +11,6 @@ import json
 import shutil
 import sys
 
-import httpx
 import openai
 import pytest
 
@@ -59,12 +58,6 @@ def client(server):
         yield c
 
 
-def tokenize(server, **body) -> list[int]:
-    r = httpx.post(server.base_url + "/tokenize", json={"model": MODEL, **body})
-    assert r.status_code == 200, r.text
-    return r.json()["tokens"]
-
-
 def test_a_tool_result_may_name_its_function(client, server):
     """OpenAI's cookbook sends the function's name with a tool result; an agent must be able to
     go on after its first call."""
@@ -76,8 +69,8 @@ def test_a_tool_result_may_name_its_function(client, server):
     reply = client.chat.completions.create(model=MODEL, messages=named, tools=[WEATHER], max_tokens=3,
                                            temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    assert reply.usage.prompt_tokens == len(tokenize(server, messages=named, tools=[WEATHER]))
-    assert tokenize(server, messages=named) == tokenize(server, messages=history)
+    assert reply.usage.prompt_tokens == len(server.tokenize(messages=named, tools=[WEATHER]))
+    assert server.tokenize(messages=named) == server.tokenize(messages=history)
 
 
 @pytest.mark.parametrize("top", [0, 2])
@@ -96,13 +89,13 @@ def test_text_completion_logprobs_hold_the_chosen_token(client, top):
 def test_tokenize_a_chat_with_add_special_tokens(client, server):
     """vLLM's /tokenize takes add_special_tokens with messages: the tokenizer's decoration on top
     of the template's, which the chat endpoint does not add."""
-    plain = tokenize(server, messages=MESSAGES)
-    assert tokenize(server, messages=MESSAGES, add_special_tokens=False) == plain
-    assert tokenize(server, messages=MESSAGES, add_special_tokens=True) == [DECORATION, *plain]
+    plain = server.tokenize(messages=MESSAGES)
+    assert server.tokenize(messages=MESSAGES, add_special_tokens=False) == plain
+    assert server.tokenize(messages=MESSAGES, add_special_tokens=True) == [DECORATION, *plain]
     reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
     assert reply.usage.prompt_tokens == len(plain)
     # A text prompt gets it by default, as /v1/completions tokenizes it.
-    assert tokenize(server, prompt="hi") == [DECORATION, *tokenize(server, prompt="hi", add_special_tokens=False)]
+    assert server.tokenize(prompt="hi") == [DECORATION, *server.tokenize(prompt="hi", add_special_tokens=False)]
 
 
 def test_streams_send_the_role_first_and_the_finish_reason_last_each_alone(client):
