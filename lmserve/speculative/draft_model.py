@@ -1,28 +1,12 @@
 """Drafting with a small model (``speculative_mode="small_draft"``, ``additional_models[0]``).
 
-The draft model is a second worker (``build_worker``) whose KV tensors are indexed by the same
-page ids as the target's: one page pool, so the prefix cache, preemption and rollback cover both
-caches at once. ``Sequence.num_draft_computed`` counts the tokens with draft KV. While drafting
-goes on (the latest decode step drafted) the draft keeps step with prefill chunks, running them
-in the same step as the target, so that a sequence's first drafts do not wait for its whole
-prompt; a drafting sequence first catches up on the tokens it has not run (steps where nothing
-was drafted, a reused prefix whose cached pages lack its KV), then drafts, one pass per draft
-position for all drafting sequences together (a greedy one drafting on alone: its remaining
-passes in one C++ call, ``lmserve.greedy_chain``). So where drafting does not pay and the adaptive
-length stops, the draft stops costing anything, prompts included (it used to run every prompt
-beside the target: 0.72x plain decoding end to end on long prompts at the default level). Under
-a sliding window on every layer (``keep_up``) the draft keeps step with prefill chunks and every
-decoding sequence's draft KV catches up in every step, drafted or not: pages are kept for the
-oldest key either model still needs, so a lagging draft would hold ever more. With a tree
-width ``w`` > 1 the ``w - 1`` next best tokens at each depth are drafted too, as leaves beside
-the chain: free for the draft, and the target verifies them in the same pass. A chain ends at
-a drafted stop token id (or end-of-sequence, unless ``ignore_eos``): accepted, it ends the
-sequence; banned before ``min_tokens``, it is rejected, and so is the rest of the chain. It also
-ends after a near tie (``TIE_MARGIN``; for a sampling request ``DRAW_MARGIN``), where the
-target's choice is a coin toss. A greedy request's drafts are the draft's best tokens, a
-sampling request's the tokens its noise draws from the draft's distribution (``spec.coupled``);
-verification needs no draft probabilities (see ``speculator``). After verification the draft's
-count is clamped to the verified tokens its KV holds (``Scheduler.update``).
+The draft model is a second worker whose KV tensors are indexed by the same page ids as the
+target's (``Sequence.num_draft_computed`` counts the tokens with draft KV). A drafting sequence
+catches up on the tokens the draft has not run, then drafts one pass per position for all
+drafting sequences together (a lone greedy one: its passes in one C++ call); a chain ends at a
+stop token or after a near tie (``TIE_MARGIN``, ``DRAW_MARGIN``). Under a window on every layer
+(``keep_up``) the draft keeps step every step, so pages are never held for a lagging draft.
+docs/speculative.md ("A draft model") tells the rest.
 """
 
 from __future__ import annotations

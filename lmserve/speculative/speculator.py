@@ -1,25 +1,10 @@
 """The speculative-decoding policy the engine calls: how many drafts, which, and what was accepted.
 
-Verification is lossless, whatever the drafts: the target samples its token at every drafted
-position, exactly as without speculation and as if the drafts before it were accepted, with the
-noise of that position (a function of the sequence's seed and the position only,
-``sampler.position_generator``), and drafts are accepted while they equal the target's samples;
-the first differing sample replaces the rejected draft, and when all drafts are accepted the
-sample after the last one comes free. Every token emitted is the target's own sample at its
-position, so the output is token for token the output without speculation for the same noise
-(seeded requests: the same tokens; unseeded ones draw a seed of their own), and its
-distribution is the target's. For a drafter that proposes a fixed token (q a point mass) this is
-speculative rejection sampling (accept with probability min(1, p/q), else resample from
-max(p - q, 0)): accepting draft d with probability p(d) and otherwise drawing from p without d is
-drawing from p. How the drafts are chosen decides only how many are accepted: a draft model
-drafts, for a sampling request, the token its distribution puts at the request's quantile for
-that position (``spec.coupled``), which the target also draws where the two are close. A draft
-tree (``spec_tree_width`` > 1) is verified the same way: the target's sample at a
-node accepts the child drafting that token (siblings draft different tokens), so every token
-emitted is still the target's own sample at its position, whichever node it was drafted at. The
-rows are sampled with the same rules as without speculation (``sampler.sample``: greedy,
-temperature, top-k/p, min-p, penalties over the output so far including the drafts before the
-row), so greedy output is identical to speculation off, and seeded sampling too.
+Lossless whatever the drafts: the target samples every drafted position as if the drafts before
+it were accepted, with that position's own noise (``sampler.position_generator``), and drafts
+are accepted while they equal its samples, down a chain or a tree. Every token emitted is the
+target's own sample, so greedy and seeded output equal speculation off; docs/speculative.md
+("The output does not change") tells why that is rejection sampling.
 """
 
 from __future__ import annotations
