@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
-    from lmserve.outputs import TokenLogprob
+    from lmserve.outputs import FinishReason, TokenLogprob
     from lmserve.sampling_params import SamplingParams
     from lmserve.structured.matcher import SequenceGrammar
 
@@ -67,7 +67,7 @@ class Sequence:
     state_slot: int = -1
     history_slots: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[FinishReason] = None
     stop_reason: Union[str, int, None] = None
     # Per-choice output state (detokenizer, stop checker), owned by the output processor.
     output_state: Any = None

@@ -90,9 +90,10 @@ class KVCacheManager:
         is evicted when even the whole cache could not make room. False: not enough memory."""
         need = self.pages_to_allocate(seq, num_tokens, lookahead)
         if need > self.pool.num_free:
-            if not (self.prefix_cache and evict) or need > self.pool.num_free + self.prefix_cache.evictable_pages():
+            cache = self.prefix_cache if evict else None
+            if cache is None or need > self.pool.num_free + cache.evictable_pages():
                 return False
-            self.prefix_cache.evict(need - self.pool.num_free)
+            cache.evict(need - self.pool.num_free)
             # evictable_pages counts a cache-only page under a leaf still in use, which evict
             # cannot take: check what it freed.
             if need > self.pool.num_free:

@@ -67,7 +67,7 @@ class EngineCore:
         draft = read_draft_model(config, self.args)
         eagle = read_eagle_head(config, self.args)
         draft_args = draft.args if draft is not None else eagle.args if eagle is not None else None
-        draft_level = draft_opt(config, draft) if draft_args is not None else None
+        draft_level = draft_opt(config, draft)  # (read only with a draft model or an EAGLE head)
         self.plan = make_plan(config, self.args, draft_args=draft_args, draft_opt=draft_level,
                               stage_layers_given=self.source.stage_layers)
         opt = parse_opt(config.opt)
@@ -82,7 +82,7 @@ class EngineCore:
             # window on every layer it attends within the same window (pages past it are given
             # back; its drafts only need to be good guesses), else within its own, if any.
             self.draft_runner = None
-            if draft is not None and draft_level is not None:
+            if draft is not None:
                 kv_dtype = self.plan.draft_kv_dtype
                 assert kv_dtype is not None  # (planned for every draft model)
                 draft_plan = dataclasses.replace(self.plan, kv_dtype=kv_dtype)
@@ -91,7 +91,7 @@ class EngineCore:
                     draft_plan = dataclasses.replace(draft_plan, window=window, window_layers=layers)
                 self.draft_runner = build_worker(draft.load_model(draft_level), draft_plan, draft_level,
                                                  self.device)
-            elif eagle is not None and draft_level is not None:  # its layer's KV over the same page ids
+            elif eagle is not None:  # an EAGLE head: its layer's KV over the same page ids
                 self.draft_runner = build_eagle_runner(eagle, self.runner.model, self.plan, draft_level,
                                                        self.device)
             self.tokenizer = self.source.tokenizer()

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, cast
+from typing import Optional
 
 from lmserve.engine.stop import StopChecker
-from lmserve.outputs import FinishReason, SequenceDelta, TokenLogprob
+from lmserve.outputs import SequenceDelta, TokenLogprob
 from lmserve.request import Sequence
 from lmserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -61,9 +61,7 @@ class OutputProcessor:
             text=text,
             token_ids=list(token_ids[:kept]),
             logprobs=list(logprobs[:kept]) if logprobs is not None else None,
-            # request.Sequence types its finish_reason str; it is only set to a FinishReason (here, and
-            # "abort" in EngineCore)
-            finish_reason=cast(Optional[FinishReason], seq.finish_reason),
+            finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
 

@@ -88,9 +88,8 @@ def completion_logprobs(
     ``start`` is the character offset of the first token in the choice's text; ``offsets``, the
     choice's UTF-8 decoder, carries a character split across tokens over to the next call. The
     tokens at the positions in ``hidden`` are not in the text (special tokens the tokenizer put
-    around an echoed prompt's text, or that decoding its ids left out): they take no room in it. Returns the
-    logprobs and the
-    offset after the last token.
+    around an echoed prompt's text, or that decoding its ids left out): they take no room in it.
+    Returns the logprobs and the offset after the last token.
     """
     out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for i, (token_id, lp) in enumerate(zip(token_ids, logprobs)):
@@ -154,24 +153,20 @@ class _StreamBuilder:
         self.include_usage = include_usage
         self._choices: dict[int, _ChoiceState] = defaultdict(_ChoiceState)
 
-    def _advance(self, index: int, delta: SequenceDelta) -> tuple[_ChoiceState, bool]:
-        """Account for one delta of choice ``index``; returns its state and whether it is its first."""
-        if delta.finish_reason == "abort":
+    def _advance(self, index: int, delta: SequenceDelta
+                 ) -> tuple[_ChoiceState, bool, Optional[FinishReason]]:
+        """Account for one delta of choice ``index``; returns its state, whether it is its first,
+        and its finish reason (an aborted choice raises ``RequestAborted``)."""
+        reason = delta.finish_reason
+        if reason == "abort":
             raise RequestAborted(f"request {self.request_id} was aborted")
         state = self._choices[index]
         if state.finished:
             raise RuntimeError(f"choice {index} of {self.request_id} moved after it had finished")
         first, state.started = not state.started, True
         state.num_tokens += len(delta.token_ids)
-        state.finished = delta.finish_reason is not None
-        return state, first
-
-    @staticmethod
-    def _finish_reason(delta: SequenceDelta) -> Optional[FinishReason]:
-        """The delta's finish reason, once ``_advance`` took it: never "abort" (refused there)."""
-        reason = delta.finish_reason
-        assert reason != "abort"  # _advance raised RequestAborted
-        return reason
+        state.finished = reason is not None
+        return state, first, reason
 
     @property
     def usage(self) -> Usage:
@@ -207,8 +202,8 @@ class ChatStreamBuilder(_StreamBuilder):
         """The chunks for one step's output. Raises ``RequestAborted`` on an aborted choice."""
         chunks = []
         for delta in output.deltas:
-            _, first = self._advance(delta.index, delta)
-            text, finish = delta.text, self._finish_reason(delta)
+            _, first, finish = self._advance(delta.index, delta)
+            text = delta.text
             pieces: list[ToolCallPiece] = []
             if self._tool_format is not None:
                 calls = self._tool_streams.setdefault(delta.index, ToolCallStream(self._tool_format))
@@ -292,7 +287,7 @@ class CompletionStreamBuilder(_StreamBuilder):
         chunks = []
         for delta in output.deltas:
             index = prompt_index * self._n + delta.index
-            state, first = self._advance(index, delta)
+            state, first, finish = self._advance(index, delta)
             text, pieces = delta.text, []
             if first and prompt.echo is not None:
                 text = prompt.echo + text
@@ -309,7 +304,6 @@ class CompletionStreamBuilder(_StreamBuilder):
             if text or pieces:
                 logprobs = join_completion_logprobs(pieces) if pieces else None
                 chunks.append(self._chunk([CompletionChoice(index=index, text=text, logprobs=logprobs)]))
-            finish = self._finish_reason(delta)
             if finish:  # in a chunk of its own, as OpenAI ends a choice
                 chunks.append(self._chunk([CompletionChoice(index=index, text="", finish_reason=finish,
                                                             stop_reason=delta.stop_reason)]))
